@@ -1,0 +1,51 @@
+# spotagent — make demo (the whole spot lifecycle on emulated AWS), make test (the suite).
+# Both set themselves up on a fresh Debian 12 machine as root: apt-get for system packages,
+# a virtualenv in .venv with the pinned torch.
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+TORCH := torch==2.13.0
+APT_PACKAGES := python3 python3-venv python3-pip make util-linux e2fsprogs xfsprogs \
+	busybox-static psmisc debootstrap systemd-container packer kmod
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint typecheck unit test-slow demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: apt-get install$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" numpy
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check agent trainer tests bench
+
+typecheck: setup
+	$(VENV)/bin/mypy agent trainer
+
+unit: setup
+	$(PY) -m pytest -m "not slow" tests
+
+test: lint typecheck unit
+
+test-slow: setup
+	$(PY) -m pytest -m slow tests
+
+demo: setup
+	$(PY) -m spotagent demo
+
+bench: setup
+	$(PY) bench/detection.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
