@@ -31,7 +31,7 @@ lint: setup
 	$(VENV)/bin/ruff check agent trainer tests bench
 
 typecheck: setup
-	$(VENV)/bin/mypy agent trainer
+	$(VENV)/bin/mypy -p spotagent -p spottrainer
 
 unit: setup
 	$(PY) -m pytest -m "not slow" tests

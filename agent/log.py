@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -12,7 +13,8 @@ import structlog
 _SECRET_KEYS = frozenset({"token", "x-aws-ec2-metadata-token", "aws_secret_access_key"})
 
 
-def _redact(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _redact(_logger: Any, _name: str,
+            event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Never let a secret reach the journal, whatever a caller passed."""
     for key in list(event):
         if key.lower() in _SECRET_KEYS:
