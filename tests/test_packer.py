@@ -1,0 +1,40 @@
+"""The Packer template validates with Debian's Packer 1.6.6 (make setup installs it)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = "packer/spotagent.pkr.hcl"
+
+
+def packer(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["packer", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_template_validates_with_its_provisioned_files(tmp_path: Path) -> None:
+    (tmp_path / "spotagent-0.1.0-py3-none-any.whl").write_bytes(b"")
+    proc = packer("validate", f"-var=wheelhouse={tmp_path}", TEMPLATE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_validation_notices_a_missing_provisioned_file(tmp_path: Path) -> None:
+    proc = packer("validate", f"-var=wheelhouse={tmp_path / 'absent'}", TEMPLATE)
+    assert proc.returncode != 0
+    assert "absent" in proc.stdout + proc.stderr
+
+
+def test_gp3_declares_throughput_and_iops_and_plugins_live_apart() -> None:
+    text = (REPO / TEMPLATE).read_text()
+    assert 'volume_type           = "gp3"' in text
+    assert "throughput" in text and "iops" in text
+    assert "required_plugins" not in text
+    assert "required_plugins" in (REPO / "packer/plugins.pkr.hcl").read_text()
+
+
+def test_provisioning_script_is_valid_sh() -> None:
+    proc = subprocess.run(["sh", "-n", str(REPO / "packer/scripts/install.sh")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
