@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.message import Message
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -30,7 +31,7 @@ class Resp:
     headers: Message
     body: bytes
 
-    def json(self) -> object:
+    def json(self) -> Any:
         return json.loads(self.body)
 
 
@@ -281,9 +282,9 @@ def test_control_api_over_http(emu: ImdsEmulator) -> None:
     assert post(f"/{IID}/rebalance", {}).status == 200
     assert get(emu.url, "meta-data/events/recommendations/rebalance", tok).status == 200
     r = post(f"/{IID}/scheduled", {"code": "system-maintenance"})
-    eid = r.json()["event_id"]  # type: ignore[index]
+    eid = r.json()["event_id"]
     events = get(emu.url, "meta-data/events/maintenance/scheduled", tok).json()
-    assert [e["EventId"] for e in events] == [eid]  # type: ignore[union-attr,index]
+    assert [e["EventId"] for e in events] == [eid]
     assert post(f"/{IID}/clear", {}).status == 200
     assert get(emu.url, "meta-data/spot/instance-action", tok).status == 404
     assert post("/_all/fault", {"kind": "status", "status": 500, "count": 1}).status == 200
