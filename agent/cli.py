@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from spotagent import config as configmod
-from spotagent import log
+from spotagent import log, pool_cli
 from spotagent.errors import ConfigError, SpotagentError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Other modules add their sub-commands here (pool, run, status, drain, release, testbed, demo).
-_EXTENSIONS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = []
+_EXTENSIONS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    pool_cli.register,
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

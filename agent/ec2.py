@@ -78,7 +78,7 @@ def translate(operation: str, **context: Any) -> Iterator[None]:
     except ClientError as exc:
         err = exc.response.get("Error", {})
         code = str(err.get("Code") or "Unknown")
-        detail = str(err.get("Message") or exc)
+        detail = " ".join(str(err.get("Message") or exc).split())  # one line, always
         raise Ec2Error(operation, code, detail, **context) from exc
     except (NoCredentialsError, PartialCredentialsError) as exc:
         raise Ec2Error(operation, "NoCredentials", "no AWS credentials found (instance role, "

@@ -50,7 +50,7 @@ DEFAULT_DEVICE = "/dev/sdf"  # only a hint on Nitro; the device is found by NVMe
 # EBS Provisioned Rate for Volume Initialization, MiB/s (valid 100-300; billed per volume):
 # a snapshot-restored volume is readable at this rate instead of the lazy-load trickle.
 DEFAULT_INIT_RATE_MIB = 300
-_INIT_RATE_RANGE = (100, 300)
+INIT_RATE_RANGE = (100, 300)
 
 # Attach errors that mean "someone else got there first" (or the volume vanished): next one.
 _LOST_RACE = frozenset({"VolumeInUse", "IncorrectState", "InvalidVolume.NotFound"})
@@ -221,7 +221,7 @@ class VolumeSpec:
                             snapshot_id=self.snapshot_id, from_ami=self.from_ami)
         if not (self.snapshot_id or self.from_ami) and not self.size_gib:
             raise PoolError("an empty volume needs a size")
-        lo, hi = _INIT_RATE_RANGE
+        lo, hi = INIT_RATE_RANGE
         if self.init_rate_mib is not None and not lo <= self.init_rate_mib <= hi:
             raise PoolError(f"volume initialization rate must be {lo}-{hi} MiB/s",
                             init_rate_mib=self.init_rate_mib)
@@ -477,6 +477,11 @@ class Pool:
         return self.create_volume(az, spec).volume_id
 
     def create_volume(self, az: str, spec: VolumeSpec | None = None) -> Volume:
+        return self.create_volumes(az, 1, spec)[0]
+
+    def create_volumes(self, az: str, count: int, spec: VolumeSpec | None = None
+                       ) -> list[Volume]:
+        """Create `count` volumes (all requests first, then one wait for all of them)."""
         spec = spec or self.spec
         snapshot = spec.snapshot_id
         if spec.from_ami:
@@ -500,15 +505,19 @@ class Pool:
             params["Throughput"] = spec.throughput
         rate = spec.init_rate_mib if snapshot and self._offers_init_rate() else None
         ctx = {"pool": self.name, "az": az, "snapshot_id": snapshot}
-        try:
-            volume_id = self._create(params, rate, ctx)
-        except Ec2Error as exc:
-            if rate is None or exc.code not in _UNKNOWN_PARAMETER:
-                raise
-            log.warning("init_rate_refused", code=exc.code, detail=exc.detail, **ctx)
-            volume_id = self._create(params, None, ctx)
-        log.info("volume_created", volume_id=volume_id, init_rate_mib=rate, **ctx)
-        return self._wait_available(volume_id, self.create_timeout, CreateTimeoutError)
+        ids = []
+        for _ in range(count):
+            try:
+                volume_id = self._create(params, rate, ctx)
+            except Ec2Error as exc:
+                if rate is None or exc.code not in _UNKNOWN_PARAMETER:
+                    raise
+                log.warning("init_rate_refused", code=exc.code, detail=exc.detail, **ctx)
+                rate = None
+                volume_id = self._create(params, None, ctx)
+            log.info("volume_created", volume_id=volume_id, init_rate_mib=rate, **ctx)
+            ids.append(volume_id)
+        return [self._wait_available(v, self.create_timeout, CreateTimeoutError) for v in ids]
 
     def _create(self, params: CreateVolumeRequestTypeDef, rate: int | None,
                 ctx: Mapping[str, Any]) -> str:
@@ -612,6 +621,11 @@ def _describe(client: EC2Client, **kwargs: Any) -> list[Volume]:
         for page in client.get_paginator("describe_volumes").paginate(**kwargs):
             out.extend(Volume.from_api(v) for v in page.get("Volumes", []))
     return sorted(out, key=lambda v: (v.az, v.volume_id))
+
+
+def all_pool_volumes(client: EC2Client) -> list[Volume]:
+    """Volumes of every spotagent pool (those with a `spotagent:pool` tag)."""
+    return _describe(client, Filters=[{"Name": "tag-key", "Values": [POOL_TAG]}])
 
 
 def describe_volume(client: EC2Client, volume_id: str) -> Volume:
