@@ -368,22 +368,25 @@ class MountEntry:
         return os.makedev(self.major, self.minor)
 
 
-_OCTAL = re.compile(r"\\([0-7]{3})")
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
-def unescape_mountinfo(field_: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\040 \\011 \\012 \\134."""
-    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field_)
+def unescape_mountinfo(field_: str | bytes) -> str:
+    """mountinfo escapes space, tab, newline and backslash as \\040 \\011 \\012 \\134;
+    names that are not UTF-8 survive as surrogate escapes (os.fsdecode)."""
+    raw = field_ if isinstance(field_, bytes) else os.fsencode(field_)
+    return os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), raw))
 
 
-def parse_mountinfo(text: str) -> list[MountEntry]:
-    """Parse mountinfo text (proc(5)); lines that do not parse are skipped."""
+def parse_mountinfo(text: str | bytes) -> list[MountEntry]:
+    """Parse mountinfo (proc(5)); lines that do not parse are skipped."""
+    data = text if isinstance(text, bytes) else os.fsencode(text)
     out: list[MountEntry] = []
-    for line in text.splitlines():
-        parts = line.split(" ")
+    for line in data.splitlines():
+        parts = line.split(b" ")
         try:
-            sep = parts.index("-", 6)
-            major, minor = parts[2].split(":")
+            sep = parts.index(b"-", 6)
+            major, minor = parts[2].split(b":")
             out.append(MountEntry(
                 mount_id=int(parts[0]),
                 parent_id=int(parts[1]),
@@ -391,10 +394,11 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
                 minor=int(minor),
                 root=unescape_mountinfo(parts[3]),
                 mount_point=Path(unescape_mountinfo(parts[4])),
-                options=tuple(parts[5].split(",")),
-                fstype=parts[sep + 1],
+                options=tuple(os.fsdecode(parts[5]).split(",")),
+                fstype=os.fsdecode(parts[sep + 1]),
                 source=unescape_mountinfo(parts[sep + 2]),
-                super_options=tuple(parts[sep + 3].split(",")) if len(parts) > sep + 3 else (),
+                super_options=(tuple(os.fsdecode(parts[sep + 3]).split(","))
+                               if len(parts) > sep + 3 else ()),
             ))
         except (ValueError, IndexError):
             continue
@@ -402,7 +406,7 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
 
 
 def read_mountinfo(path: Path = PROC_MOUNTINFO) -> list[MountEntry]:
-    return parse_mountinfo(path.read_text())
+    return parse_mountinfo(path.read_bytes())
 
 
 def _canonical(path: Path) -> Path:
@@ -413,16 +417,30 @@ def _is_under(path: Path, prefix: Path) -> bool:
     return path == prefix or prefix in path.parents
 
 
-def mounts_under(prefix: Path, *, mountinfo: Path = PROC_MOUNTINFO) -> list[MountEntry]:
-    """Mounts at or under `prefix`, deepest first (the order to unmount them in).
+def unmount_order(entries: Sequence[MountEntry]) -> list[MountEntry]:
+    """`entries` in an order they can be unmounted in: every mount before the mount it sits on
+    (children first, by parent id, so deeper mounts go before the mounts they are on), and
+    among mounts that are free to go the newest first (mountinfo lists mounts in the order they
+    were made), so a mount stacked on a path, or mounted over a parent directory of an older
+    mount and hiding it, goes before what it covers."""
+    index = {id(e): i for i, e in enumerate(entries)}
+    left = list(entries)
+    out: list[MountEntry] = []
+    while left:
+        parents = {e.parent_id for e in left}
+        # One snapshot has no cycles; `or left` only guards against looping forever.
+        leaves = [e for e in left if e.mount_id not in parents] or left[:]
+        leaves.sort(key=lambda e: index[id(e)], reverse=True)
+        out += leaves
+        taken = {id(e) for e in leaves}
+        left = [e for e in left if id(e) not in taken]
+    return out
 
-    Mounts stacked on one path come latest-first, since only the top one can be unmounted.
-    """
+
+def mounts_under(prefix: Path, *, mountinfo: Path = PROC_MOUNTINFO) -> list[MountEntry]:
+    """Mounts at or under `prefix` in the order to unmount them in (see `unmount_order`)."""
     root = _canonical(prefix)
-    entries = list(enumerate(read_mountinfo(mountinfo)))
-    hits = [(i, e) for i, e in entries if _is_under(e.mount_point, root)]
-    hits.sort(key=lambda ie: (len(ie[1].mount_point.parts), ie[0]), reverse=True)
-    return [e for _, e in hits]
+    return unmount_order([e for e in read_mountinfo(mountinfo) if _is_under(e.mount_point, root)])
 
 
 def _mount_namespaces_mountinfo() -> Iterable[tuple[str, Path]]:

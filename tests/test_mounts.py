@@ -74,13 +74,30 @@ def test_parse_mountinfo_unescapes_and_splits_optional_fields() -> None:
     assert entries[4].source == "tmp fs" and entries[4].super_options == ("rw", "size=10k")
 
 
-def test_mounts_under_is_deepest_first_and_stacked_top_first(tmp_path: Path) -> None:
+def test_mounts_under_is_children_first_and_stacked_top_first(tmp_path: Path) -> None:
     info = tmp_path / "mountinfo"
     info.write_text(MOUNTINFO)
     ids = [e.mount_id for e in mounts_under(Path("/mnt/vol root"), mountinfo=info)]
-    # c (deepest), then the depth-4 siblings latest first — x stacked twice (44 on top of 43),
-    # a\b — then the volume itself; "/mnt/vol rooted" only shares the prefix string.
-    assert ids == [42, 44, 43, 41, 40]
+    # Every mount before the one it sits on (c before a\b; a\b and x before the volume),
+    # the newest first among those free to go (44 is stacked on 43); "/mnt/vol rooted"
+    # only shares the prefix string.
+    assert ids == [44, 42, 43, 41, 40]
+
+
+def test_unmount_order_takes_a_hiding_mount_before_the_one_it_hides(tmp_path: Path) -> None:
+    # /v/a/b was mounted first, then /v/a on top of its parent, hiding /v/a/b: /v/a/b is not
+    # reachable until /v/a is gone, however deep its path.
+    info = tmp_path / "mountinfo"
+    info.write_text("50 27 7:1 / /v rw - ext4 /dev/loop1 rw\n"
+                    "51 50 0:40 / /v/a/b rw - tmpfs t rw\n"
+                    "52 50 0:41 / /v/a rw - tmpfs t rw\n")
+    assert [e.mount_id for e in mounts_under(Path("/v"), mountinfo=info)] == [52, 51, 50]
+
+
+def test_parse_mountinfo_keeps_non_utf8_names() -> None:
+    raw = b"60 27 7:1 / /mnt/caf\xe9\\040x rw - ext4 /dev/loop1 rw\n"
+    (entry,) = parse_mountinfo(raw)
+    assert os.fsencode(entry.mount_point) == b"/mnt/caf\xe9 x"
 
 
 def test_parse_blkid_export_unescapes_and_drops_devname() -> None:
@@ -420,6 +437,10 @@ def test_unmount_tree_with_nested_binds_and_spaces(ext4: Path, tmp_path: Path) -
         with pytest.raises(BusyError, match="busy") as info:
             unmount(top, retries=0)  # nested mounts keep it busy
         assert "nested_mounts=" in str(info.value)
+        # A mount over a parent directory of an older mount hides it: the hider must go first.
+        (top / "h" / "deep").mkdir(parents=True)
+        sh("mount", "-t", "tmpfs", "hidden", top / "h" / "deep")
+        sh("mount", "-t", "tmpfs", "hider", top / "h")
         unmount_tree(top)
         assert mounts_under(top) == []
         assert not is_mounted(ext4)
