@@ -1,0 +1,231 @@
+"""Asynchronous checkpoint saves: snapshot on the training thread, write on a writer thread.
+
+The training thread is blocked only while the state is copied into a reusable host buffer
+(pinned when CUDA is present). A writer thread then streams the bytes to disk and commits; its
+work is system calls and zlib CRCs, which release the GIL, so it does not slow Python on the
+training thread (bench/checkpoint.py measures this).
+
+One save is in flight at a time. `save(..., wait=False)` while one is in flight *coalesces*: the
+request is remembered (several collapse into one) and served by `poll()` at the first step
+boundary after the in-flight save has finished, with the state of that step. `save(..., wait=True)`
+waits for the in-flight save to finish first (used for the final / SIGTERM save).
+
+Deadline: before every chunk the writer reads `deadline()` (unix seconds or None). If the save
+cannot finish by `deadline - margin` at the bandwidth seen so far, it is abandoned: the temp
+directory is removed and the previous checkpoint stays the latest. It is also abandoned if the
+deadline has passed when it is ready to rename.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import codec
+from ._log import event
+from .errors import CheckpointError, SaveAbandonedError
+from .snapshot import HostBuffer, copy_into
+from .store import CheckpointStore
+
+
+class SaveStatus(enum.Enum):
+    COMMITTED = "committed"
+    ABANDONED = "abandoned"
+    FAILED = "failed"
+
+
+class Request(enum.Enum):
+    STARTED = "started"
+    COALESCED = "coalesced"
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    status: SaveStatus
+    path: Path | None
+    problem: str | None
+    nbytes: int
+    stall_seconds: float   # training thread blocked (capture + copy to host)
+    write_seconds: float   # writer thread, until committed / abandoned
+
+
+DeadlineFn = Callable[[], float | None]
+
+
+class AsyncCheckpointer:
+    """Owns the host buffer and the writer thread of one checkpoint store."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        deadline: DeadlineFn | None = None,
+        margin_s: float = 1.0,
+        rate_limit: float | None = None,
+        pinned: bool | None = None,
+        run_id: str | None = None,
+        restart_count: int | None = None,
+    ) -> None:
+        self.store = store
+        self.deadline = deadline or (lambda: None)
+        self.margin_s = margin_s
+        self.rate_limit = rate_limit
+        self.run_id = run_id
+        self.restart_count = restart_count
+        self._buffer = HostBuffer(pinned)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._cancel = threading.Event()
+        self._pending = False
+        self._bandwidth: float | None = None  # bytes/s of the last completed save
+        self._results: list[SaveResult] = []
+        self.last_result: SaveResult | None = None
+        self.last_committed: SaveResult | None = None
+
+    # ---- state -------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    @property
+    def pending(self) -> bool:
+        """A coalesced request is waiting for the in-flight save to finish."""
+        return self._pending
+
+    def take_results(self) -> list[SaveResult]:
+        """Results finished since the last call (oldest first)."""
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def prepare(self, nbytes: int) -> None:
+        """Reserve and pre-fault the host buffer for a state of `nbytes` on a helper thread."""
+        if self.busy or self._buffer.capacity >= nbytes:
+            return
+        self._thread = threading.Thread(target=self._buffer.reserve, args=(nbytes,),
+                                        name="spottrainer-prefault", daemon=True)
+        self._thread.start()
+
+    def save(self, step: int, capture: Callable[[], Any], *, wait: bool = False,
+             extra: dict[str, Any] | None = None) -> Request:
+        """Request a checkpoint of `capture()` at `step` (see the module doc for the rules)."""
+        if self.busy:
+            if not wait:
+                self._pending = True
+                return Request.COALESCED
+            self.wait()
+        self._pending = False
+        self._start(step, capture, extra)
+        return Request.STARTED
+
+    def poll(self, step: int, capture: Callable[[], Any],
+             extra: dict[str, Any] | None = None) -> Request | None:
+        """At a step boundary: start the coalesced request once the writer is idle."""
+        if self._pending and not self.busy:
+            self._pending = False
+            self._start(step, capture, extra)
+            return Request.STARTED
+        return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight save (or buffer preparation); False on timeout."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                return False
+        return True
+
+    def abandon(self) -> None:
+        """Ask the in-flight save to stop at its next chunk (it cleans up after itself)."""
+        self._cancel.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        self.wait(timeout)
+        self._buffer.release()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _start(self, step: int, capture: Callable[[], Any], extra: dict[str, Any] | None) -> None:
+        self.wait()  # a buffer preparation may still run
+        t0 = time.perf_counter()
+        encoded = codec.encode(capture())
+        buf = self._buffer.reserve(encoded.total_bytes)
+        data = copy_into(encoded, buf)
+        stall = time.perf_counter() - t0
+        skeleton, records = encoded.skeleton, encoded.records
+        del encoded  # drop references to live tensors: the writer only needs the copy
+        self._cancel.clear()
+        self._thread = threading.Thread(
+            target=self._write, args=(step, skeleton, records, data, stall, extra),
+            name=f"spottrainer-save-{step}", daemon=True)
+        self._thread.start()
+
+    def _check(self, started: float) -> Callable[[int, int], None]:
+        def check(done: int, total: int) -> None:
+            if self._cancel.is_set():
+                raise SaveAbandonedError("save cancelled")
+            deadline = self.deadline()
+            if deadline is None:
+                return
+            now = time.time()
+            elapsed = time.monotonic() - started
+            bw = done / elapsed if done > 0 and elapsed > 0 else self._bandwidth
+            eta = now + ((total - done) / bw if bw else 0.0) + self.margin_s
+            if eta > deadline:
+                raise SaveAbandonedError(
+                    f"cannot finish before the deadline (eta {eta - now:.1f}s, "
+                    f"deadline in {deadline - now:.1f}s)")
+        return check
+
+    def _before_commit(self) -> None:
+        if self._cancel.is_set():
+            raise SaveAbandonedError("save cancelled")
+        deadline = self.deadline()
+        if deadline is not None and time.time() > deadline:
+            raise SaveAbandonedError("deadline passed before commit")
+
+    def _write(self, step: int, skeleton: Any, records: list[codec.TensorRecord],
+               data: Any, stall: float, extra: dict[str, Any] | None) -> None:
+        started = time.monotonic()
+        nbytes = int(data.numel())
+        status, path = SaveStatus.FAILED, None
+        problem: str | None = "unexpected error in the writer thread"
+        try:
+            path = self.store.write(
+                step, skeleton, records, data, check=self._check(started),
+                before_commit=self._before_commit, rate_limit=self.rate_limit,
+                run_id=self.run_id, restart_count=self.restart_count, extra=extra)
+            status, problem = SaveStatus.COMMITTED, None
+        except SaveAbandonedError as err:
+            status, problem = SaveStatus.ABANDONED, str(err)
+        except (CheckpointError, OSError) as err:
+            problem = str(err)
+        finally:  # also when an unexpected error propagates to threading.excepthook
+            self._record(step, status, path, problem, nbytes, stall, time.monotonic() - started)
+
+    def _record(self, step: int, status: SaveStatus, path: Path | None, problem: str | None,
+                nbytes: int, stall: float, seconds: float) -> None:
+        if status is SaveStatus.COMMITTED and seconds > 0:
+            self._bandwidth = nbytes / seconds
+        result = SaveResult(step, status, path, problem, nbytes, stall, seconds)
+        level = logging.INFO if status is SaveStatus.COMMITTED else logging.WARNING
+        event(level, f"checkpoint_{status.value}", step=step, path=str(path or self.store.root),
+              bytes=nbytes, stall_s=round(stall, 4), write_s=round(seconds, 3),
+              **({"problem": problem} if problem else {}))
+        with self._lock:
+            self._results.append(result)
+            self.last_result = result
+            if status is SaveStatus.COMMITTED:
+                self.last_committed = result
