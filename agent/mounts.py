@@ -9,8 +9,9 @@ Safety rules (docs/volume-host.md has the full policy):
 - An ambiguous probe (the two probes disagree, blkid reports an ambivalent result, or blkid
   fails) is refused, never formatted. Partition tables and non-file-system signatures (swap,
   RAID, LVM, LUKS) are refused too: pool volumes hold one file system on the whole device.
-- fsck before mount: e2fsck -p for ext2/3/4; xfs_repair -n for xfs, replaying a dirty log by
-  mounting once; never a repair that could drop data without an operator.
+- fsck before mount: e2fsck -p (the fixes that are safe unattended) for ext2/3/4;
+  xfs_repair -n for xfs, replaying a dirty log by mounting once; anything more is left to an
+  operator, and the volume is not mounted.
 - Unmount syncs first, retries while busy, then names the processes holding the mount; it is
   never lazy or forced. `assert_detachable` is the check to run before a detach.
 
@@ -30,6 +31,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -37,7 +39,16 @@ from spotagent import subp
 from spotagent.errors import SpotagentError, SubprocessError
 from spotagent.log import get_logger
 
-log = get_logger("mounts")
+
+class _ComponentLog:
+    """The logger looked up at each call: one made at import would miss `log.configure()`
+    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(get_logger("mounts"), name)
+
+
+log = _ComponentLog()
 
 MIB = 1 << 20
 PROC_MOUNTINFO = Path("/proc/self/mountinfo")
@@ -49,6 +60,13 @@ MKFS_TIMEOUT = 900.0
 FSCK_TIMEOUT = 3600.0  # e2fsck of a multi-TiB volume after a crash can take a long while
 MOUNT_TIMEOUT = 600.0  # includes xfs/ext4 journal replay
 UMOUNT_TIMEOUT = 120.0
+
+
+def _c_env() -> dict[str, str]:
+    """Messages of umount and xfs_repair are parsed ("busy", "metadata changes in a log"):
+    run the tools untranslated."""
+    return {**os.environ, "LC_ALL": "C"}
+
 
 
 class MountError(SpotagentError):
@@ -112,7 +130,7 @@ def _blkid_once(device: Path) -> tuple[str, dict[str, str], str]:
     """One low-level probe: ("found"|"nothing"|"ambivalent"|"error", tags, detail)."""
     try:
         res = subp.run(["blkid", "-p", "-o", "export", str(device)],
-                       timeout=PROBE_TIMEOUT, check=False)
+                       timeout=PROBE_TIMEOUT, check=False, env=_c_env())
     except SubprocessError as exc:
         return "error", {}, str(exc)
     stderr = res.stderr.strip()
@@ -125,12 +143,34 @@ def _blkid_once(device: Path) -> tuple[str, dict[str, str], str]:
     return "error", {}, f"blkid exit {res.returncode}: {stderr[-300:]}"
 
 
+def _unreadable(device: Path) -> str | None:
+    """Why `device` cannot be probed, or None. blkid -p exits 2 ("nothing found") also for a
+    path that does not exist or cannot be read, so "nothing found" is only believed for a
+    block device we just read from."""
+    try:
+        if not stat.S_ISBLK(os.stat(device).st_mode):
+            return "not a block device"
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.pread(fd, 4096, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"cannot read device: {exc}"
+    return None
+
+
 def probe(device: Path) -> Probe:
     """Probe the superblocks of `device` twice with `blkid -p` (no cache) and compare.
 
     Exit 2 = nothing found (clean). Ambiguous when the probes disagree, blkid reports an
-    ambivalent result (exit 8: more than one signature) or blkid fails.
+    ambivalent result (exit 8: more than one signature), blkid fails, or the device cannot be
+    read (blkid says "nothing" for a path it cannot open).
     """
+    why = _unreadable(device)
+    if why is not None:
+        log.warning("volume_probed", device=str(device), ambiguous=True, detail=why)
+        return Probe(fstype=None, uuid=None, label=None, ambiguous=True, detail=why)
     first = _blkid_once(device)
     second = _blkid_once(device)
     kind, tags, detail = first
@@ -264,12 +304,19 @@ def ensure_filesystem(
     if not found.clean:
         raise _refuse("probe found signatures but no file system", device, detail=found.detail)
     if not created_empty_by_agent:
-        backup = ext_backup_superblock(device)
+        try:
+            backup = ext_backup_superblock(device)
+        except OSError:
+            backup = None  # only a hint for the message
         hint = {"ext_backup_superblock_at": backup} if backup is not None else {}
         raise _refuse("no file system recognised on a volume the agent did not create empty; "
                       "it may hold data (a damaged superblock looks blank); not formatting",
                       device, **hint)
-    nonzero = first_nonzero_offset(device)
+    try:
+        nonzero = first_nonzero_offset(device)
+    except OSError as exc:
+        raise _refuse("cannot read the volume to confirm it is blank; not formatting",
+                      device, error=str(exc)) from exc
     if nonzero is not None:
         raise _refuse("volume was created empty by the agent but holds non-zero data; "
                       "not formatting", device, nonzero_at=nonzero)
@@ -302,8 +349,13 @@ def _xfs_replay_log(device: Path) -> None:
     """Mount and unmount once so the kernel replays the xfs log (xfs recovers on mount)."""
     tmp = Path(tempfile.mkdtemp(prefix="spotagent-xfs-replay-"))
     try:
-        subp.run(["mount", "-t", "xfs", "-o", "nodev,nosuid,noexec", str(device), str(tmp)],
-                 timeout=MOUNT_TIMEOUT)
+        try:
+            subp.run(["mount", "-t", "xfs", "-o", "nodev,nosuid,noexec", str(device), str(tmp)],
+                     timeout=MOUNT_TIMEOUT, env=_c_env())
+        except SubprocessError as exc:
+            raise FsckError("xfs log replay (mount) failed; run xfs_repair by hand — its -L "
+                            "discards the log and the changes in it", device=str(device),
+                            error=str(exc)) from exc
         unmount(tmp)
     finally:
         with contextlib.suppress(OSError):
@@ -322,7 +374,7 @@ def check_filesystem(device: Path, fstype: str, *, timeout: float = FSCK_TIMEOUT
     if is_mounted(device):
         raise MountError("refusing to check a mounted file system", device=str(device))
     if fstype in EXT_TYPES:
-        res = subp.run(["e2fsck", "-p", str(device)], timeout=timeout, check=False)
+        res = subp.run(["e2fsck", "-p", str(device)], timeout=timeout, check=False, env=_c_env())
         if res.returncode >= 4:
             raise FsckError("e2fsck found damage it cannot repair unattended; run e2fsck by hand",
                             device=str(device), code=res.returncode,
@@ -331,11 +383,12 @@ def check_filesystem(device: Path, fstype: str, *, timeout: float = FSCK_TIMEOUT
                  repaired=res.returncode != 0, output=_tail(res.stdout))
         return
     if fstype == "xfs":
-        res = subp.run(["xfs_repair", "-n", str(device)], timeout=timeout, check=False)
+        argv = ["xfs_repair", "-n", str(device)]
+        res = subp.run(argv, timeout=timeout, check=False, env=_c_env())
         if res.returncode != 0 and _xfs_log_dirty(res.stdout + res.stderr):
             log.info("fsck_xfs_log_replay", device=str(device))
             _xfs_replay_log(device)
-            res = subp.run(["xfs_repair", "-n", str(device)], timeout=timeout, check=False)
+            res = subp.run(argv, timeout=timeout, check=False, env=_c_env())
         if res.returncode != 0:
             raise FsckError("xfs_repair -n found damage; run xfs_repair by hand",
                             device=str(device), code=res.returncode,
@@ -545,7 +598,7 @@ def mount(
     argv = ["mount", "-t", fstype]
     if options:
         argv += ["-o", ",".join(options)]
-    subp.run([*argv, str(device), str(target)], timeout=timeout)
+    subp.run([*argv, str(device), str(target)], timeout=timeout, env=_c_env())
     log.info("mounted", device=str(device), mount_point=str(target), fstype=fstype,
              options=",".join(options))
 
@@ -670,7 +723,7 @@ def unmount(mount_point: Path, *, retries: int = 5, delay: float = 0.5,
     os.sync()
     stderr = ""
     for attempt in range(retries + 1):
-        res = subp.run(["umount", str(target)], timeout=timeout, check=False)
+        res = subp.run(["umount", str(target)], timeout=timeout, check=False, env=_c_env())
         if res.returncode == 0:
             log.info("unmounted", mount_point=str(target), attempts=attempt + 1)
             return

@@ -34,7 +34,16 @@ import psutil
 
 from spotagent.log import get_logger
 
-log = get_logger("warmup")
+
+class _ComponentLog:
+    """The logger looked up at each call: one made at import would miss `log.configure()`
+    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(get_logger("warmup"), name)
+
+
+log = _ComponentLog()
 
 MIB = 1 << 20
 _ALIGN = 4096

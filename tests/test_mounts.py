@@ -241,6 +241,16 @@ def test_two_signatures_are_ambiguous_and_refused(tmp_path: Path) -> None:
         assert _digest(dev) == before
 
 
+def test_unreadable_or_missing_device_is_ambiguous_not_clean(tmp_path: Path) -> None:
+    # blkid -p exits 2 ("nothing found") for a path it cannot open: that must not read as blank.
+    assert sh("blkid", "-p", tmp_path / "missing", check=False).returncode == 2
+    for path in (tmp_path / "missing", tmp_path):
+        p = probe(path)
+        assert p.ambiguous and not p.clean
+        with pytest.raises(UnsafeVolumeError, match="ambiguous"):
+            ensure_filesystem(path, created_empty_by_agent=True)
+
+
 @needs_root
 def test_partition_table_is_refused(blank: Path) -> None:
     # An MBR with one Linux partition from sector 2048: what a user's hand-made disk looks like.
