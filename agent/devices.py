@@ -238,7 +238,11 @@ def wait_for_device(
     def watch_new_dirs() -> None:
         for d in _watch_dirs(by_id_dir, dev_dir, xen_names):
             if d not in watched:
-                observer.schedule(handler, str(d), recursive=False)
+                try:
+                    observer.schedule(handler, str(d), recursive=False)
+                except OSError as exc:  # removed between the check and the watch: next pass
+                    log.debug("device_watch_failed", path=str(d), error=str(exc))
+                    continue
                 watched.append(d)
 
     watch_new_dirs()

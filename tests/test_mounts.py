@@ -465,3 +465,41 @@ def test_assert_detachable(ext4: Path, mnt: Path) -> None:
         assert_detachable(ext4)
     unmount(mnt)
     assert_detachable(ext4)
+
+
+@needs_root
+def test_mount_in_another_namespace_blocks_detach(ext4: Path, tmp_path: Path) -> None:
+    # A mount made in a private mount namespace (a container, a unit with PrivateMounts) is
+    # invisible in ours, but the device is just as busy.
+    target = tmp_path / "ns mnt"
+    target.mkdir()
+    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "--", "sh", "-c",
+                             'mount "$0" "$1" && exec sleep 60', str(ext4), str(target)])
+    try:
+        deadline = time.monotonic() + 10
+        while not is_mounted(ext4) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert is_mounted(ext4)
+        assert not is_mounted(ext4, all_namespaces=False)
+        with pytest.raises(MountError, match="still mounted"):
+            assert_detachable(ext4)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while is_mounted(ext4) and time.monotonic() < deadline:  # the namespace dies with it
+        time.sleep(0.02)
+    assert_detachable(ext4)
+
+
+@needs_root
+def test_exclusive_user_blocks_detach(blank: Path) -> None:
+    # Not mounted anywhere, but held exclusively (as mkfs, fsck or a device-mapper table would).
+    fd = os.open(blank, os.O_RDONLY | os.O_EXCL)
+    try:
+        assert not is_mounted(blank)
+        with pytest.raises(MountError, match="exclusive open refused"):
+            assert_detachable(blank)
+    finally:
+        os.close(fd)
+    assert_detachable(blank)
