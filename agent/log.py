@@ -54,5 +54,8 @@ def configure(*, json: bool | None = None, level: str | None = None,
 
 
 def get_logger(component: str) -> Any:
-    """A bound logger whose events carry `component`."""
-    return structlog.get_logger().bind(component=component)
+    """A logger whose events carry `component`.
+
+    Lazy: module-level loggers made at import time still follow a later `configure()`
+    (`.bind()` on structlog's proxy would freeze the configuration of the moment)."""
+    return structlog.get_logger(component=component)
