@@ -48,6 +48,7 @@ import boto3
 from botocore.config import Config
 from moto.backends import get_backend
 from moto.core.models import DEFAULT_ACCOUNT_ID
+from moto.ec2.exceptions import EC2ClientError
 from moto.moto_server.werkzeug_app import (
     DomainDispatcherApplication,
     MotoRequestHandler,
@@ -833,8 +834,13 @@ class StrictEc2Server:
                  instance_id=transition.instance_id)
 
     def _complete_detach(self, transition: _Transition) -> None:
-        transition.backend.detach_volume(transition.volume_id, transition.instance_id,
-                                         transition.device)
+        try:
+            transition.backend.detach_volume(transition.volume_id, transition.instance_id,
+                                             transition.device)
+        except EC2ClientError as exc:  # moto disagrees with our bookkeeping: an emulator bug
+            self._record("ec2_detach_complete_failed", exc, volume_id=transition.volume_id,
+                         instance_id=transition.instance_id)
+            return
         log.info("ec2_detach_completed", volume_id=transition.volume_id,
                  instance_id=transition.instance_id)
 
