@@ -297,6 +297,20 @@ def test_control_api_over_http(emu: ImdsEmulator) -> None:
     assert post("/i-nosuch/clear", {}).status == 400
 
 
+def test_control_api_sets_user_data_tags_and_raw_bodies(emu: ImdsEmulator) -> None:
+    ctl = f"{emu.url}/_control/{IID}"
+    tok = token(emu.url)
+    assert call(ctl, "POST", "/user-data", body=b"#!/bin/sh\n\x00").status == 200
+    assert get(emu.url, "user-data", tok).body == b"#!/bin/sh\n\x00"
+    assert call(ctl, "POST", "/tags", body=json.dumps({"Name": "n"}).encode()).status == 200
+    assert get(emu.url, "meta-data/tags/instance/Name", tok).body == b"n"
+    raw = json.dumps({"source": "spot", "body": "{broken"}).encode()
+    assert call(ctl, "POST", "/raw", body=raw).status == 200
+    assert get(emu.url, "meta-data/spot/instance-action", tok).body == b"{broken"
+    assert call(ctl, "POST", "/raw", body=json.dumps({"source": "spot"}).encode()).status == 200
+    assert get(emu.url, "meta-data/spot/instance-action", tok).status == 404
+
+
 def test_stop_returns_with_a_kept_alive_connection_open() -> None:
     e = ImdsEmulator().start()
     e.add_instance(IID, availability_zone="us-east-1a")

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -36,6 +37,10 @@ MAX_TTL = 21600
 TOKEN_PATH = "latest/api/token"
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
+REQUEST_LOG_MAX = 200_000  # per instance, so a long-running emulator stays small
+RAW_PATHS = {"spot": "meta-data/spot/instance-action",
+             "rebalance": "meta-data/events/recommendations/rebalance",
+             "scheduled": "meta-data/events/maintenance/scheduled"}
 FAULT_KINDS = frozenset({"status", "slow", "drop", "expire_tokens", "forbidden"})
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
@@ -75,7 +80,8 @@ class _Instance:
     rebalance: dict[str, str] | None = None
     scheduled: list[dict[str, str]] = field(default_factory=list)
     tokens: dict[str, float] = field(default_factory=dict)  # token -> monotonic expiry
-    requests: list[tuple[str, str, float]] = field(default_factory=list)
+    requests: deque[tuple[str, str, float]] = field(
+        default_factory=lambda: deque(maxlen=REQUEST_LOG_MAX))
 
     def documents(self) -> dict[str, bytes]:
         """Every leaf path under latest/ that exists now, with its body."""
@@ -311,12 +317,9 @@ class ImdsEmulator:
     def set_raw(self, instance_id: str, source: str, body: str | None) -> None:
         """Serve `body` verbatim at a notice path ("spot", "rebalance" or "scheduled"), to
         test malformed answers; None restores the normal behaviour for that path."""
-        paths = {"spot": "meta-data/spot/instance-action",
-                 "rebalance": "meta-data/events/recommendations/rebalance",
-                 "scheduled": "meta-data/events/maintenance/scheduled"}
         with self._lock:
             self._get(instance_id)
-            key = (instance_id, paths[source])
+            key = (instance_id, RAW_PATHS[source])
             if body is None:
                 self._raw.pop(key, None)
             else:
@@ -356,7 +359,7 @@ class ImdsEmulator:
     def requests(self, instance_id: str | None = None) -> list[tuple[str, str, float]]:
         """(method, path, time.monotonic()) of each metadata request received, oldest first.
         Paths are relative to the instance ("/latest/meta-data/..."); control calls are not
-        logged."""
+        logged; the last REQUEST_LOG_MAX per instance are kept."""
         with self._lock:
             if instance_id is not None:
                 return list(self._get(instance_id).requests)
@@ -493,7 +496,8 @@ class ImdsEmulator:
     def _control(self, h: _Handler, method: str, path: str, body: bytes) -> None:
         parts = path.strip("/").split("/")[1:]  # after "_control"
         try:
-            data: Any = json.loads(body) if body.strip() else {}
+            raw_body = parts[-1:] == ["user-data"]  # the body is the user data itself
+            data: Any = json.loads(body) if body.strip() and not raw_body else {}
             result = self._control_call(method, parts, data, body)
         except (KeyError, ValueError, TypeError) as exc:
             h.reply(400, json.dumps({"error": str(exc)}).encode(),
@@ -553,6 +557,8 @@ class ImdsEmulator:
             self.set_tags(str(iid), data)
         elif action == "user-data":
             self.set_user_data(str(iid), body)
+        elif action == "raw":
+            self.set_raw(str(iid), data["source"], data.get("body"))
         else:
             raise ValueError(f"unknown control action {action!r}")
         return {"ok": True}
