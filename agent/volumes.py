@@ -324,10 +324,15 @@ class Pool:
                             volumes=",".join(v.volume_id for v in held))
         return held[0] if held else None
 
-    def candidates(self, az: str) -> list[Volume]:
-        """Free volumes of the pool in `az`, best first; refused ones are logged and left out."""
+    def candidates(self, az: str, listing: Sequence[Volume] | None = None) -> list[Volume]:
+        """Free volumes of the pool in `az`, best first; refused ones are logged and left out.
+        `listing`: an already fetched listing of the pool to pick from."""
         out = []
-        for v in self.volumes(az=az, state="available"):
+        if listing is None:
+            listing = self.volumes(az=az, state="available")
+        for v in listing:
+            if v.az != az or v.state != "available":
+                continue
             why = v.refusal()
             if why is not None:
                 log.info("candidate_refused", volume_id=v.volume_id, reason=why)
@@ -352,20 +357,27 @@ class Pool:
         Idempotent: a volume already attached to this instance is kept (never a second one).
         Raises PoolEmptyError when every candidate was taken or none exists.
         """
-        mine = self.volumes(attached_to=instance_id)
-        held = self._held(mine, instance_id)
+        listing = self.volumes()  # one read serves both questions: held? and what is free?
+        held = self._held(listing, instance_id)
         if held is not None:
             return self._keep(held, instance_id)
-        for v in mine:  # a release cut short: let it finish before claiming afresh
+        for v in listing:  # a release cut short: let it finish before claiming afresh
             if v.attached_to == instance_id and v.attachment_state == "detaching":
                 self._wait_available(v.volume_id, self.detach_timeout, DetachTimeoutError)
-        candidates = self.candidates(az)
-        for vol in candidates:
+        candidates = self.candidates(az, listing)
+        tried: set[str] = set()
+        while candidates:
+            vol = candidates[0]
+            tried.add(vol.volume_id)
             claim = self._try_claim(vol.volume_id, instance_id)
             if claim is not None:
                 return claim
+            # We lost a race, so the listing is stale: read it again rather than attach our
+            # way down a list of volumes that other agents have taken (AttachVolume calls are
+            # throttled harder than DescribeVolumes).
+            candidates = [v for v in self.candidates(az) if v.volume_id not in tried]
         raise PoolEmptyError("no free volume in the pool", pool=self.name, az=az,
-                             candidates=len(candidates))
+                             tried=len(tried))
 
     def _try_claim(self, volume_id: str, instance_id: str) -> Claim | None:
         """Attach (the lock), tag, confirm. None when another instance won the volume."""
