@@ -153,8 +153,8 @@ def test_slow_answer_times_out_then_unavailable(emu: ImdsEmulator) -> None:
 
 
 def test_one_slow_answer_is_retried(emu: ImdsEmulator) -> None:
-    c = ImdsClient(emu.url, timeout=0.2, retries=1, backoff=0.01)
-    emu.inject_fault(IID, "slow", delay=0.6, count=1, path="instance-id")
+    c = ImdsClient(emu.url, timeout=0.5, retries=1, backoff=0.01)
+    emu.inject_fault(IID, "slow", delay=1.5, count=1, path="instance-id")
     assert c.get("meta-data/instance-id") == IID
     assert len(methods(emu, ID_PATH)) == 2
 
