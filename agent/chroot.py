@@ -419,6 +419,9 @@ CUDA_MIN_DRIVER: dict[tuple[int, int], str] = {
 # applications (no PTX JIT of newer code); below it nothing of that CUDA major runs.
 CUDA_MAJOR_FLOOR: dict[int, str] = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 
+LIBCUDA_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                "/usr/lib", "/usr/local/nvidia/lib64")
+
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -472,6 +475,7 @@ class GpuReport:
     driver_version: str | None
     cuda_version: str | None         # from the root's /usr/local/cuda
     cuda_min_driver: str | None
+    root_libcuda: tuple[str, ...]    # versions of libcuda.so.<version> found in the root
     warnings: tuple[str, ...]
 
     @property
@@ -553,11 +557,13 @@ class Environment:
             os.chown(self.control_dir, 0, user.gid)
             self.control_dir.chmod(0o1775)
         made: list[str] = []
+        present = {e.mount_point for e in read_mountinfo(self.mountinfo)}
         try:
             for spec in self._plan():
-                target = self._mount_one(spec)
+                target = self._mount_one(spec, present)
                 if target is not None:
                     made.append(target)
+                    present.add(target)
         except ChrootError:
             for target in reversed(made):
                 try:
@@ -567,13 +573,13 @@ class Environment:
             raise
         log.info("chroot_prepared", root=str(self.root), mounted=len(made))
 
-    def _mount_one(self, spec: _Mount) -> str | None:
+    def _mount_one(self, spec: _Mount, present: set[str]) -> str | None:
         if spec.source is not None and spec.optional and not os.path.exists(spec.source):
             log.warning("chroot_mount_skipped", target=spec.target, source=spec.source,
                         reason="source missing")
             return None
         target = resolve_in_root(self.root, spec.target)
-        if str(target) in {e.mount_point for e in read_mountinfo(self.mountinfo)}:
+        if str(target) in present:
             log.info("chroot_mount_present", mount_point=str(target))
             return None
         if not (target.exists() or target.is_symlink()):
@@ -683,15 +689,37 @@ class Environment:
                    else "; CUDA will not initialise"))
             log.warning("gpu_driver_too_old", driver=driver, cuda=cuda, required=required,
                         minor_version_compat=compat)
+        libcuda = self._root_libcuda()
+        if driver and gpus and not libcuda:
+            warnings.append(f"no libcuda.so in the root: CUDA needs the driver's user-space "
+                            f"libraries of version {driver} installed in the environment")
+            log.warning("gpu_libcuda_missing", driver=driver)
+        elif driver and libcuda and driver not in libcuda:
+            warnings.append(f"libcuda.so {','.join(libcuda)} in the root does not match the "
+                            f"host kernel module {driver} (CUDA fails: version mismatch)")
+            log.warning("gpu_libcuda_mismatch", driver=driver, libcuda=",".join(libcuda))
         if gpus and "nvidia-uvm" not in nodes:
             warnings.append("GPUs present but /dev/nvidia-uvm missing (nvidia-uvm not loaded)")
             log.warning("gpu_uvm_missing", gpus=len(gpus))
         report = GpuReport(gpus=gpus, device_nodes=nodes, driver_version=driver,
                            cuda_version=cuda, cuda_min_driver=required,
-                           warnings=tuple(warnings))
+                           root_libcuda=libcuda, warnings=tuple(warnings))
         log.info("gpu_report", gpus=len(gpus), driver=driver, cuda=cuda, required=required,
                  device_nodes=",".join(nodes))
         return report
+
+    def _root_libcuda(self) -> tuple[str, ...]:
+        """Versions of the NVIDIA user-space driver library installed in the root: in a chroot
+        it must be the host kernel module's version exactly (nothing injects the host's)."""
+        found: set[str] = set()
+        for d in LIBCUDA_DIRS:
+            host = resolve_in_root(self.root, d)
+            if host.is_dir():
+                for lib in host.glob("libcuda.so.*"):
+                    version = lib.name[len("libcuda.so."):]
+                    if re.fullmatch(r"\d+\.\d+(?:\.\d+)?", version):
+                        found.add(version)
+        return tuple(sorted(found, key=_vtuple))
 
     def _cuda_version(self) -> str | None:
         for name in ("version.json", "version.txt"):
