@@ -94,6 +94,8 @@ class _Encoder:
         return len(self.records) - 1
 
     def encode(self, obj: Any, where: str) -> Any:
+        if _np is not None and isinstance(obj, _np.generic):  # before float: np.float64 is one
+            return {TAG: "npscalar", "dtype": obj.dtype.str, "v": self.encode(obj.item(), where)}
         if obj is None or isinstance(obj, bool | str):
             return obj
         if isinstance(obj, int):
@@ -113,8 +115,6 @@ class _Encoder:
             flat = torch.from_numpy(arr.reshape(-1).view(_np.uint8))
             idx = self._add(flat, arr.dtype.str, tuple(arr.shape), "numpy", "cpu")
             return {TAG: "ndarray", "i": idx}
-        if _np is not None and isinstance(obj, _np.generic):
-            return {TAG: "npscalar", "dtype": obj.dtype.str, "v": self.encode(obj.item(), where)}
         if isinstance(obj, dict):
             return {TAG: "dict", "items": [
                 [self.encode(k, f"{where}[{k!r}]<key>"), self.encode(v, f"{where}[{k!r}]")]
