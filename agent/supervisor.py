@@ -353,6 +353,8 @@ class Supervisor:
         if self._root is not None:
             assert self._user is not None
             try:
+                if self._cwd != "/":
+                    resolve_command(self._root, "/bin/sh", user=self._user)
                 resolve_command(self._root, self._argv[0],
                                 search_path=env.get("PATH", DEFAULT_PATH),
                                 cwd=self._cwd, user=self._user)
@@ -371,6 +373,7 @@ class Supervisor:
             # On the host (root=None) Popen itself drops to the user; in the chroot the
             # coreutils chroot command does (see the module docstring).
             host_user = self._user if self._root is None else None
+            spawned_wall = time.time()
             proc = subprocess.Popen(  # noqa: S603 - argv list, no shell; the one Popen
                 self._command(),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -386,7 +389,7 @@ class Supervisor:
             raise TrainerStartError("trainer cannot start", command=shown,
                                     reason=exc.strerror or str(exc)) from exc
         self._proc = proc
-        self._spawned_wall = time.time()
+        self._spawned_wall = spawned_wall
         self._started_at = now
         self._next_start_at = None
         self._stop_deadline = None
@@ -563,19 +566,29 @@ class Supervisor:
         proc = self._proc
         if proc is None:
             return
+        main_alive = proc.returncode is None
+        # Snapshot first: once the main process dies its children are reparented, and a worker
+        # that left the session (setsid) is then found by nothing.
         victims = self._tree()
-        if proc.returncode is None:
+        if main_alive:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
-        self._kill_processes(victims)
+        killed = 0
+        for _ in range(3):   # a worker may fork between the snapshot and its death
+            if not victims:
+                break
+            killed += len(victims)
+            self._kill_processes(victims)
+            victims = self._tree()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        if proc.returncode is None:
+        if main_alive:
             try:
                 proc.wait(timeout=self._kill_wait)
             except subprocess.TimeoutExpired:
                 log.error("trainer_tree_survivors", pids=str(proc.pid))
-        log.warning("trainer_killed", pid=proc.pid, reason=reason, tree=len(victims))
+        if main_alive or killed:
+            log.warning("trainer_killed", pid=proc.pid, reason=reason, tree=killed)
 
     def _kill_processes(self, victims: list[psutil.Process]) -> None:
         for v in victims:
