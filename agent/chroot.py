@@ -582,16 +582,20 @@ class Environment:
         if str(target) in present:
             log.info("chroot_mount_present", mount_point=str(target))
             return None
-        if not (target.exists() or target.is_symlink()):
+        if not target.exists():   # resolve_in_root followed any symlink: no dangling link
             if not spec.create:
                 log.warning("chroot_mount_skipped", target=spec.target,
                             reason="mount point missing")
                 return None
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if spec.is_file:
-                target.touch(mode=0o644)
-            else:
-                target.mkdir(mode=0o755)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if spec.is_file:
+                    target.touch(mode=0o644)
+                else:
+                    target.mkdir(mode=0o755)
+            except OSError as exc:
+                raise ChrootMountError("cannot create the mount point", target=target,
+                                       error=os.strerror(exc.errno or errno.EIO)) from exc
         elif target.is_dir() == spec.is_file:
             raise ChrootMountError("mount point has the wrong type", target=target,
                                    expected="file" if spec.is_file else "directory")

@@ -16,6 +16,7 @@ from spotagent import subp
 from spotagent.chroot import (
     CheckpointDirError,
     ChrootError,
+    ChrootMountError,
     ChrootTeardownError,
     CommandNotExecutableError,
     CommandNotFoundError,
@@ -520,3 +521,13 @@ def test_busy_mount_is_reported_then_lazily_detached(env: Environment, rootfs: P
         assert mounts_under(rootfs) == []
     finally:
         busy.stop(time.monotonic() + 5)
+
+
+@pytest.mark.root
+@root_only
+def test_a_failed_prepare_undoes_its_mounts(env: Environment, rootfs: Path) -> None:
+    (rootfs / "run/spotagent").write_text("not a directory")     # the last mount fails
+    with pytest.raises(ChrootMountError, match="wrong type") as err:
+        env.prepare()
+    assert "run/spotagent" in str(err.value)
+    assert mounts_under(rootfs) == []
