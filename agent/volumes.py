@@ -45,6 +45,8 @@ TAGS = (POOL_TAG, OWNER_TAG, GENERATION_TAG, CHECKPOINT_STEP_TAG, WARM_TAG, DONE
 # so the instance policy can forbid moving volumes in or out of a pool.
 INSTANCE_TAGS = (OWNER_TAG, GENERATION_TAG, CHECKPOINT_STEP_TAG, WARM_TAG, DONE_TAG,
                  CREATED_EMPTY_TAG)
+# The tags a new volume gets at creation (TagSpecifications), as the create policy allows.
+CREATE_TAGS = (POOL_TAG, GENERATION_TAG, WARM_TAG, CREATED_EMPTY_TAG)
 
 DEFAULT_DEVICE = "/dev/sdf"  # only a hint on Nitro; the device is found by NVMe serial
 # EBS Provisioned Rate for Volume Initialization, MiB/s (valid 100-300; billed per volume):

@@ -310,6 +310,7 @@ def test_create_empty_volume_is_tagged_atomically_and_created_empty(env: Env) ->
     v = env.get(vid)
     assert (v.state, v.az, v.pool, v.generation, v.size_gib) == ("available", AZ, POOL, 0, 8)
     assert v.created_empty and v.warm and v.snapshot_id is None
+    assert set(v.tags) <= set(volumes.CREATE_TAGS)  # what the create policy allows
     pool.clear_created_empty(vid)
     assert not env.get(vid).created_empty
 
@@ -328,6 +329,7 @@ def test_create_from_snapshot_and_from_the_ami_root_snapshot(env: Env) -> None:
     for v, az in ((from_snap, OTHER_AZ), (from_ami, AZ)):
         assert (v.snapshot_id, v.az, v.pool, v.state) == (snap, az, POOL, "available")
         assert not v.warm and not v.created_empty  # it holds data: never formatted
+        assert set(v.tags) <= set(volumes.CREATE_TAGS)
     with pytest.raises(ec2.Ec2Error, match=r"InvalidAMIID\.NotFound"):
         volumes.root_snapshot(env.client, "ami-0123456789abcdef0")
     no_ebs_root = env.client.register_image(
