@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from spotagent import agent_cli, log, pool_cli
 from spotagent import config as configmod
-from spotagent import log, pool_cli
 from spotagent.errors import ConfigError, SpotagentError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Other modules add their sub-commands here (pool, run, status, drain, release, testbed, demo).
 _EXTENSIONS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    agent_cli.register,
     pool_cli.register,
 ]
 

@@ -1,0 +1,538 @@
+"""The runner: turns the world into lifecycle events and lifecycle actions into effects.
+
+It owns the main loop of `spotagent run`. It decides nothing itself (that is
+`lifecycle.next_state`); it polls the monitors, the supervisor, the trainer's progress file and
+the signal flags, feeds what it sees to the state machine, and carries out the actions with the
+modules that own each side effect (volumes, devices, mounts, chroot, supervisor, systemd).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+
+import psutil
+
+from spotagent import chroot as chrootmod
+from spotagent import devices, mounts, status, subp, systemd
+from spotagent import lifecycle as lc
+from spotagent.config import Config
+from spotagent.errors import SpotagentError
+from spotagent.imds import Identity, ImdsClient
+from spotagent.log import get_logger
+from spotagent.monitors import Monitor, default_monitors
+from spotagent.supervisor import ALIVE, RestartPolicy, Supervisor, TrainerState, trainer_env
+from spotagent.volumes import Pool, PoolEmptyError, next_backoff
+
+log = get_logger("runner")
+
+
+
+def kernel_boot_time() -> datetime:
+    """The kernel's boot time (btime in /proc/stat): notices older than this are stale."""
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return datetime.fromtimestamp(int(line.split()[1]), UTC)
+    raise SpotagentError("no btime in /proc/stat")
+
+
+@dataclass
+class _Flags:
+    """Set by signal handlers, read by the main loop (handlers do nothing else)."""
+
+    stop: bool = False
+    stop_origin: str = "systemd"
+
+
+class Runner:
+    def __init__(self, cfg: Config, *, imds: ImdsClient, pool: Pool,
+                 monitors: list[Monitor] | None = None, boot_time: datetime | None = None,
+                 rng: random.Random | None = None, install_signals: bool = True) -> None:
+        self.cfg = cfg
+        self.imds = imds
+        self.pool = pool
+        self.monitors = monitors if monitors is not None else default_monitors(imds)
+        self.rng = rng or random.Random()
+        self.flags = _Flags()
+        self.install_signals = install_signals
+        self.state = lc.State.STARTING
+        self.ctx = lc.Context(
+            boot_time=boot_time or kernel_boot_time(),
+            on_empty=cfg.pool.on_empty, on_rebalance=cfg.drain.on_rebalance,
+            on_complete=cfg.agent.on_complete, release_margin=cfg.drain.release_margin,
+            stop_deadline=cfg.drain.stop_deadline)
+        self.state_dir: Path = cfg.agent.state_dir
+        self.control_dir = self.state_dir / "control"
+        self.status = status.AgentStatus(pool=cfg.pool.name,
+                                         mount_point=str(cfg.volume.mount_point))
+        self.identity: Identity | None = None
+        self.volume_id: str | None = None
+        self.created_empty = False
+        self.env: chrootmod.Environment | None = None
+        self.sup: Supervisor | None = None
+        self.queue: collections.deque[lc.Event] = collections.deque()
+        self.retry_at: float | None = None
+        self.claim_attempt = 0
+        self.deadline_mono: float | None = None
+        self.exit_requested = False
+        self.stop_handled = False
+        self._last_status_write = 0.0
+        self._last_summary = ""
+        self._next_poll = 0.0
+        self._progress_mtime = 0.0
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        if self.install_signals:
+            signal.signal(signal.SIGTERM, self._on_stop_signal)
+            signal.signal(signal.SIGINT, self._on_stop_signal)
+        self.status.mark("start")
+        self.identity = self.imds.identity()
+        self.status.instance_id = self.identity.instance_id
+        self.status.availability_zone = self.identity.availability_zone
+        log.info("agent_started", instance_id=self.identity.instance_id,
+                 availability_zone=self.identity.availability_zone, pool=self.cfg.pool.name,
+                 boot_time=self.ctx.boot_time.isoformat())
+        held = self.pool.attached_to(self.identity.instance_id)
+        if held is not None:
+            self.volume_id = held.volume_id
+            self.status.volume_id = held.volume_id
+            self.status.generation = held.generation
+        self.queue.append(lc.Boot(attached_volume=held.volume_id if held else None))
+        while not self.exit_requested:
+            while self.queue and not self.exit_requested:
+                self._handle(self.queue.popleft())
+            if self.exit_requested:
+                break
+            self._tick()
+        self._write_status(force=True)
+        systemd.status(self.status.summary())
+        return 1 if self.state is lc.State.FAILED else 0
+
+    def _on_stop_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.flags.stop = True
+        self.flags.stop_origin = "systemd" if signum == signal.SIGTERM else "interrupt"
+
+    def _handle(self, event: lc.Event) -> None:
+        t = lc.next_state(self.state, event, self.ctx)
+        if t.context is not None:
+            self.ctx = t.context
+        if t.ignored:
+            log.debug("event_ignored", state=self.state.value, cause=t.cause)
+            return
+        if t.state is not self.state:
+            log.info("state_changed", old=self.state.value, state=t.state.value,
+                     cause=t.cause, volume_id=self.volume_id)
+        self.state = t.state
+        self.status.state = t.state.value
+        self.status.cause = t.cause
+        if self.ctx.failure:
+            self.status.error = self.ctx.failure
+        self._write_status(force=True)
+        for action in t.actions:
+            follow = self._do(action)
+            if follow is not None:
+                self.queue.append(follow)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.flags.stop and not self.stop_handled:
+            self.stop_handled = True
+            self.queue.append(lc.StopRequested(requested_at=_utcnow(),
+                                               origin=self.flags.stop_origin))
+            return
+        if self._drain_requested_by_cli():
+            return
+        if now >= self._next_poll:
+            self._next_poll = now + float(self.cfg.imds.poll_interval)
+            self._poll_monitors()
+        if self.retry_at is not None and now >= self.retry_at:
+            self.retry_at = None
+            self.queue.append(lc.RetryClaim())
+        if self.sup is not None and self.state in (lc.State.TRAINING, lc.State.DRAINING):
+            self._poll_trainer()
+        if (self.state is lc.State.DRAINING and self.deadline_mono is not None
+                and now >= self.deadline_mono and self._trainer_alive()):
+            self.deadline_mono = None
+            self.queue.append(lc.DeadlinePassed())
+        systemd.watchdog()
+        self._write_status()
+        if not self.queue:
+            pause = 0.05 if self.state is lc.State.DRAINING else min(
+                0.25, float(self.cfg.imds.poll_interval))
+            time.sleep(pause)
+
+    def _drain_requested_by_cli(self) -> bool:
+        """`spotagent drain` drops a file in the state directory (works without signals)."""
+        req = self.state_dir / "drain-request"
+        if req.exists() and not self.stop_handled:
+            self.stop_handled = True
+            req.unlink(missing_ok=True)
+            self.queue.append(lc.StopRequested(requested_at=_utcnow(), origin="spotagent drain"))
+            return True
+        return False
+
+    def _poll_monitors(self) -> None:
+        for mon in self.monitors:
+            try:
+                events = mon.poll()
+            except SpotagentError as exc:
+                log.warning("monitor_poll_failed", monitor=mon.name, error=str(exc))
+                continue
+            for ev in events:
+                self.status.mark("notice")
+                self.status.notice = f"{ev.source}:{ev.kind} at {ev.notice_time.isoformat()}"
+                log.info("interruption_notice", source=ev.source, kind=ev.kind,
+                         notice_time=ev.notice_time.isoformat(),
+                         detected_at=ev.detected_at.isoformat())
+                self.queue.append(lc.Notice(source=ev.source, kind=ev.kind,
+                                            notice_time=ev.notice_time,
+                                            detected_at=ev.detected_at))
+
+    def _trainer_alive(self) -> bool:
+        return self.sup is not None and self.sup.status().state in ALIVE
+
+    def _poll_trainer(self) -> None:
+        assert self.sup is not None
+        st = self.sup.poll()
+        self._read_progress()
+        self.status.trainer_pid = st.pid
+        self.status.restart_count = st.restart_count
+        if self.state is lc.State.DRAINING:
+            if st.state not in ALIVE:
+                self.status.mark("trainer_exited")
+                self.queue.append(lc.TrainerExited(code=st.last_exit_code or 0))
+                self.sup = None
+            return
+        if st.state is TrainerState.EXITED_OK:
+            self.status.mark("trainer_exited")
+            self.queue.append(lc.TrainerExited(code=0))
+            self.sup = None
+        elif st.state is TrainerState.FAILED:
+            self.status.mark("trainer_exited")
+            self.queue.append(lc.TrainerGaveUp(reason=st.reason or "trainer failed"))
+            self.sup = None
+
+    def _read_progress(self) -> None:
+        path = self.control_dir / "progress.json"
+        try:
+            mtime = path.stat().st_mtime
+            if mtime == self._progress_mtime:
+                return
+            self._progress_mtime = mtime
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(doc, dict):
+            return
+        step = doc.get("step")
+        if isinstance(step, int):
+            if self.status.step is None:
+                self.status.mark("first_step")
+            self.status.step = step
+        for key in ("samples_per_s", "loss"):
+            if isinstance(doc.get(key), int | float):
+                setattr(self.status, key, float(doc[key]))
+        committed = doc.get("last_committed_step")
+        if isinstance(committed, int) and committed != self.status.last_committed_step:
+            self.status.last_committed_step = committed
+            ct = doc.get("last_commit_time")
+            self.status.last_commit_time = float(ct) if isinstance(ct, int | float) else None
+            if self.state is lc.State.DRAINING:
+                self.status.mark("checkpoint_committed")
+                self.queue.append(lc.CheckpointCommitted(step=committed))
+
+    # --- actions ----------------------------------------------------------------------------
+
+    def _do(self, action: lc.Action) -> lc.Event | None:
+        a = action.act
+        try:
+            if a is lc.Act.CLAIM:
+                return self._claim()
+            if a is lc.Act.WAIT:
+                delay = next_backoff(self.claim_attempt, float(self.cfg.pool.wait_max_backoff),
+                                     self.rng)
+                self.claim_attempt += 1
+                self.retry_at = time.monotonic() + delay
+                log.info("pool_wait", pool=self.cfg.pool.name, retry_in=round(delay, 2))
+                return None
+            if a is lc.Act.CREATE:
+                return self._create()
+            if a is lc.Act.MOUNT:
+                return self._mount_and_start()
+            if a is lc.Act.CHECKPOINT:
+                if self.sup is not None:
+                    self.sup.signal_main(signal.SIGUSR1)
+                    log.info("checkpoint_requested", reason=action.reason)
+                return None
+            if a is lc.Act.DRAIN:
+                return self._begin_drain(action)
+            if a is lc.Act.KILL:
+                if self.sup is not None:
+                    self.sup.kill_tree()
+                    log.warning("trainer_killed", reason=action.reason or "deadline")
+                return None
+            if a in (lc.Act.RELEASE, lc.Act.RELEASE_DONE):
+                return self._release(done=a is lc.Act.RELEASE_DONE)
+            if a is lc.Act.POWEROFF:
+                subp.run(["systemctl", "poweroff"], timeout=30, check=False)
+                return None
+            if a is lc.Act.NOTIFY_READY:
+                systemd.ready()
+                return None
+            if a is lc.Act.NOTIFY_STOPPING:
+                systemd.stopping()
+                budget_us = int((self.ctx.stop_deadline + 60) * 1_000_000)
+                systemd.extend_timeout(budget_us)
+                return None
+            if a is lc.Act.EXIT:
+                self.exit_requested = True
+                return None
+        except SpotagentError as exc:
+            log.error("action_failed", action=a.value, error=str(exc), volume_id=self.volume_id)
+            return lc.Failed(reason=f"{a.value}: {exc}")
+        raise AssertionError(f"unhandled action {a}")
+
+    def _claim(self) -> lc.Event:
+        assert self.identity is not None
+        try:
+            claim = self.pool.claim(self.identity.instance_id, self.identity.availability_zone)
+        except PoolEmptyError:
+            self.status.error = None
+            return lc.PoolEmpty()
+        return self._claimed(claim.volume_id, claim.generation, claim.created_empty)
+
+    def _create(self) -> lc.Event:
+        assert self.identity is not None
+        vid = self.pool.create(self.identity.availability_zone)
+        log.info("volume_created", volume_id=vid, availability_zone=self.identity.availability_zone)
+        return self._claim()
+
+    def _claimed(self, volume_id: str, generation: int | None, created_empty: bool) -> lc.Event:
+        self.volume_id = volume_id
+        self.created_empty = created_empty
+        self.status.volume_id = volume_id
+        self.status.generation = generation
+        self.status.mark("claimed")
+        return lc.Claimed(volume_id=volume_id)
+
+    def _mount_and_start(self) -> lc.Event:
+        assert self.volume_id is not None and self.identity is not None
+        cfg = self.cfg
+        xen = [str(p) for p in devices.xen_candidates(self.pool.device)]
+        dev = devices.wait_for_device(self.volume_id, by_id_dir=cfg.devices.by_id_dir,
+                                      timeout=float(cfg.devices.timeout), xen_names=xen)
+        self.status.device = str(dev)
+        mp: Path = cfg.volume.mount_point
+        fstype = mounts.mount_volume(dev, mp, created_empty_by_agent=self.created_empty,
+                                     fstype=cfg.volume.fstype, options=cfg.volume.mount_options)
+        if self.created_empty:
+            self.pool.clear_created_empty(self.volume_id)
+            self.created_empty = False
+        self.status.mark("mounted")
+        log.info("volume_mounted", volume_id=self.volume_id, device=str(dev), mount_point=str(mp),
+                 fstype=fstype)
+        # A trainer left running by an agent that died must not run twice.
+        stop_strays(mp, grace=float(cfg.drain.stop_deadline))
+        # Checks first (no mounts made yet), so a bad environment fails with nothing to undo
+        # but the volume mount itself.
+        chrootmod.looks_like_root(mp)
+        user = chrootmod.lookup_user(mp, cfg.trainer.user)
+        env = chrootmod.Environment(mp, control_dir=self.control_dir)
+        self.env = env
+        self.control_dir.mkdir(parents=True, exist_ok=True)
+        for stale in ("deadline", "progress.json"):
+            (self.control_dir / stale).unlink(missing_ok=True)
+        env.prepare(user=user)
+        argv = list(cfg.trainer.command)
+        env.check_command(argv, user=user)
+        env.ensure_checkpoint_dir(cfg.trainer.checkpoint_dir, user)
+        log_path = env.host_path(cfg.trainer.log_file, create_parents=True)
+        gpu = env.gpu_report()
+        for warning in gpu.warnings:
+            log.warning("gpu_warning", detail=warning)
+        policy = RestartPolicy(base=float(cfg.trainer.restart_backoff),
+                               budget=int(cfg.trainer.restart_budget),
+                               window=float(cfg.trainer.restart_window))
+        run_id = f"{cfg.pool.name}-{self.volume_id}"
+        self.sup = Supervisor(argv, root=mp, user=user, log_path=log_path, policy=policy,
+                              cwd=cfg.trainer.workdir,
+                              env=trainer_env(user=user,
+                                              checkpoint_dir=cfg.trainer.checkpoint_dir,
+                                              run_id=run_id, extra=cfg.trainer.env))
+        pid = self.sup.start()
+        self.status.trainer_pid = pid
+        self.status.mark("trainer_started")
+        if cfg.volume.warmup:
+            self._maybe_warm(dev)
+        return lc.TrainerStarted(pid=pid)
+
+    def _maybe_warm(self, dev: Path) -> None:
+        """Read a cold volume end to end in the background; tag it warm when done."""
+        assert self.volume_id is not None
+        if self.pool.is_warm(self.volume_id):
+            return
+        from spotagent.warmup import Warmup
+
+        vid = self.volume_id
+        rate = float(self.cfg.volume.warmup_rate_mib) * 1024 * 1024
+
+        def done() -> None:
+            try:
+                self.pool.mark_warm(vid)
+            except SpotagentError as exc:
+                log.warning("warmup_tag_failed", volume_id=vid, error=str(exc))
+
+        self._warmup = Warmup(dev, max_bytes_per_s=rate, on_done=done)
+        self._warmup.start()
+
+    def _begin_drain(self, action: lc.Action) -> lc.Event | None:
+        deadline = action.deadline or _utcnow()
+        self.status.deadline = deadline.timestamp()
+        self.deadline_mono = time.monotonic() + max(0.0, (deadline - _utcnow()).total_seconds())
+        _write_atomic(self.control_dir / "deadline",
+                      json.dumps({"deadline": deadline.timestamp(), "reason": action.reason}))
+        log.info("drain_started", deadline=deadline.isoformat(), reason=action.reason,
+                 volume_id=self.volume_id)
+        if self._trainer_alive():
+            assert self.sup is not None
+            # SIGTERM to the trainer's main process only; no restarts from here. The kill at the
+            # deadline is the lifecycle's decision (DeadlinePassed -> KILL).
+            self.sup.begin_stop(None, signal.SIGTERM)
+            return None
+        return lc.TrainerExited(code=0)
+
+    def _release(self, *, done: bool) -> lc.Event:
+        warm = getattr(self, "_warmup", None)
+        if warm is not None:
+            warm.stop()
+        if self.sup is not None:
+            self.sup.kill_tree()
+        self.sup = None
+        if self.env is not None:
+            self.env.teardown()
+        else:
+            chrootmod.Environment(self.cfg.volume.mount_point,
+                                  control_dir=self.control_dir).teardown()
+        if self.volume_id is None:
+            return lc.Released()
+        mp: Path = self.cfg.volume.mount_point
+        mounts.unmount_tree(mp)
+        self.status.mark("unmounted")
+        dev = self.status.device
+        step = self.status.last_committed_step
+        assert self.identity is not None
+        self.pool.release(self.volume_id, self.identity.instance_id, checkpoint_step=step,
+                          done=done if done else None,
+                          still_mounted=lambda: _still_in_use(dev))
+        self.status.mark("volume_available")
+        log.info("volume_released", volume_id=self.volume_id, checkpoint_step=step, done=done)
+        return lc.Released()
+
+    def _write_status(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_status_write < 1.0:
+            return
+        self._last_status_write = now
+        warm = getattr(self, "_warmup", None)
+        if warm is not None:
+            p = warm.progress
+            self.status.warmup = ("done" if p.done else
+                                  f"{100.0 * p.bytes_read / max(1, p.total_bytes):.0f}%")
+        status.write(self.state_dir, self.status)
+        line = self.status.summary()
+        if line != self._last_summary:
+            self._last_summary = line
+            systemd.status(line)
+
+
+def processes_in_root(root: Path) -> list[psutil.Process]:
+    """Processes whose root directory is `root` (a trainer left by an agent that died)."""
+    target = os.path.realpath(root)
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.path.realpath(f"/proc/{p.pid}/root") == target:
+                found.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def stop_strays(root: Path, *, grace: float) -> None:
+    """SIGTERM (a checkpoint, by the trainer protocol) then SIGKILL what runs inside `root`."""
+    strays = processes_in_root(root)
+    if not strays:
+        return
+    log.warning("stray_trainer_found", pids=[p.pid for p in strays], root=str(root))
+    for p in strays:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _gone, alive = psutil.wait_procs(strays, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+
+
+def release_leftovers(cfg: Config, pool: Pool, instance_id: str) -> str | None:
+    """Undo what a dead agent left on this instance: processes in the chroot, the chroot's
+    mounts, the volume's mount, the attachment and the claim. Returns the volume released."""
+    mp: Path = cfg.volume.mount_point
+    held = pool.attached_to(instance_id)
+    stop_strays(mp, grace=float(cfg.drain.stop_deadline))
+    chrootmod.Environment(mp, control_dir=cfg.agent.state_dir / "control").teardown()
+    mounts.unmount_tree(mp)
+    if held is None:
+        return None
+    step = _committed_step_from_progress(cfg.agent.state_dir / "control" / "progress.json")
+    device = devices.find_device(held.volume_id, by_id_dir=cfg.devices.by_id_dir)
+    pool.release(held.volume_id, instance_id, checkpoint_step=step,
+                 still_mounted=lambda: _still_in_use(str(device) if device else None))
+    return held.volume_id
+
+
+def _committed_step_from_progress(path: Path) -> int | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    step = doc.get("last_committed_step") if isinstance(doc, dict) else None
+    return step if isinstance(step, int) else None
+
+
+def _still_in_use(device: str | None) -> bool:
+    """The guard the pool checks right before DetachVolume: never detach a mounted device."""
+    if not device or not Path(device).exists():
+        return False
+    try:
+        mounts.assert_detachable(Path(device))
+    except SpotagentError as exc:
+        log.error("detach_refused", device=device, error=str(exc))
+        return True
+    return False
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
