@@ -319,7 +319,7 @@ class Pool:
     @staticmethod
     def _held(mine: Sequence[Volume], instance_id: str) -> Volume | None:
         held = [v for v in mine if v.attached_to == instance_id
-                and v.attachment_state in ("attaching", "attached")]
+                and v.attachment_state in ("attaching", "attached", "busy")]
         if len(held) > 1:
             raise PoolError("several pool volumes are attached to this instance; detach all "
                             "but one", instance_id=instance_id,
@@ -356,7 +356,17 @@ class Pool:
     def claim(self, instance_id: str, az: str) -> Claim:
         """Claim one free volume of the pool for `instance_id` in `az`.
 
-        Idempotent: a volume already attached to this instance is kept (never a second one).
+        1. One listing of the pool. A volume already attached to this instance is kept
+           (agent restart: never a second one); one still detaching from it is waited out.
+        2. Candidates: available, in `az`, not multi-attach, not done; newest checkpoint step
+           first, then warm, then random (`order_candidates`).
+        3. AttachVolume on the best candidate is the lock. VolumeInUse / IncorrectState /
+           NotFound: someone else won, re-read the candidates and try the next best.
+           InvalidVolume.ZoneMismatch: logged and skipped.
+        4. After our attach: owner tag = us, generation + 1, then read back until the
+           attachment is `attached` and the tags are ours (bounded by attach_timeout: the
+           volume is handed back and AttachTimeoutError raised).
+
         Raises PoolEmptyError when every candidate was taken or none exists.
         """
         listing = self.volumes()  # one read serves both questions: held? and what is free?
@@ -433,7 +443,8 @@ class Pool:
                 log.error("claim_lost", attached_to=vol.attached_to, **ids)
                 raise ClaimLostError("the volume is attached to another instance",
                                      attached_to=vol.attached_to, **ids)
-            attached = vol.attached_to == instance_id and vol.attachment_state == "attached"
+            attached = (vol.attached_to == instance_id
+                        and vol.attachment_state in ("attached", "busy"))
             tagged = vol.owner == instance_id and vol.generation == generation
             if attached and tagged:
                 return vol

@@ -4,9 +4,9 @@ N agents (threads, each with its own boto3 client and its own emulated instance)
 from a pool of M volumes on the strict EC2 emulator (real HTTP, AWS's attach rules). The pool
 has settled when every agent holds a volume or has been told the pool is empty. Baseline, in the
 same run: one uncontended claim on the same emulator with the same attach delay. Printed: median
-and max settle time over the repeats, the baseline median, and their ratio; also the failed
-attaches per agent (the cost of contention in AttachVolume calls) and a check that no volume
-was attached twice.
+and max settle time over the repeats, the baseline median, and their ratio; also the EC2 calls
+and the failed attaches per agent (what contention costs in API calls, which AWS throttles);
+every round checks that no volume was attached twice.
 
     .venv/bin/python bench/pool_race.py [--agents 32] [--volumes 8] [--delays 0,1] [--repeats 5]
 """
@@ -92,8 +92,16 @@ def main() -> int:
     delays = [float(d) for d in args.delays.split(",")]
 
     with StrictEc2Server(region=REGION) as server:
+        calls = [0]
+        lock = threading.Lock()
+
+        def count(**_kwargs: object) -> None:
+            with lock:
+                calls[0] += 1
+
         def pool(seed: int) -> volumes.Pool:
             client = ec2.client(region=REGION, endpoint_url=server.endpoint_url)
+            client.meta.events.register("before-call.ec2", count)  # one per API call
             return volumes.Pool(client, POOL, rng=random.Random(seed),
                                 poll_interval=args.poll)
 
@@ -101,7 +109,7 @@ def main() -> int:
         print(f"pool_race: {args.agents} agents vs {args.volumes} volumes, poll "
               f"{args.poll:g} s, {args.repeats} repeats, {os.cpu_count()} CPUs")
         print(f"{'attach delay':>12} {'baseline':>9} {'settle med':>10} {'settle max':>10} "
-              f"{'ratio':>6} {'failed attaches/agent':>22}")
+              f"{'ratio':>6} {'EC2 calls/agent':>16} {'failed attaches/agent':>22}")
         for delay in delays:
             server.set_delays(delay, 0.0)
             base: list[float] = []
@@ -112,15 +120,19 @@ def main() -> int:
                 base.append(elapsed)
             settle: list[float] = []
             failed: list[int] = []
+            made: list[int] = []
             for _ in range(args.repeats):
                 iids = setup(server, args.volumes, args.agents)
+                calls[0] = 0
                 elapsed, results, conflicts = race(agents, iids)
+                made.append(calls[0])
                 check(server, results, args.volumes)
                 settle.append(elapsed)
                 failed.append(conflicts)
             b = statistics.median(base)
             s = statistics.median(settle)
             print(f"{delay:>11g}s {b:>8.3f}s {s:>9.3f}s {max(settle):>9.3f}s {s / b:>5.1f}x "
+                  f"{statistics.median(made) / args.agents:>16.2f} "
                   f"{statistics.median(failed) / args.agents:>22.2f}")
         if server.errors:
             raise SystemExit(f"pool_race: emulator errors: {server.errors}")
