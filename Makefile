@@ -6,7 +6,8 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 TORCH := torch==2.13.0
 APT_PACKAGES := python3 python3-venv python3-pip make util-linux e2fsprogs xfsprogs \
-	busybox-static psmisc debootstrap systemd-container packer kmod
+	busybox-static psmisc debootstrap systemd-container packer kmod \
+	openssh-client
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test lint typecheck unit test-slow demo bench clean

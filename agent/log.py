@@ -22,6 +22,22 @@ def _redact(_logger: Any, _name: str,
     return event
 
 
+class _StderrLogger:
+    """Writes each line to the current `sys.stderr` (looked up per line, so a redirected or
+    replaced stream is honoured)."""
+
+    def msg(self, message: str) -> None:
+        stream = sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = msg
+
+
+def _stderr_factory(*_args: Any) -> _StderrLogger:
+    return _StderrLogger()
+
+
 def configure(*, json: bool | None = None, level: str | None = None,
               stream: TextIO | None = None) -> None:
     """Configure structlog once per process.
@@ -48,7 +64,8 @@ def configure(*, json: bool | None = None, level: str | None = None,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(lvl)),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=(_stderr_factory if stream is None
+                        else structlog.PrintLoggerFactory(file=stream)),
         cache_logger_on_first_use=False,
     )
 

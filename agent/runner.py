@@ -90,6 +90,7 @@ class Runner:
         self._last_summary = ""
         self._next_poll = 0.0
         self._progress_mtime = 0.0
+        self._checkpoint_pending: str | None = None
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -224,6 +225,15 @@ class Runner:
             self.queue.append(lc.TrainerGaveUp(reason=st.reason or "trainer failed"))
             self.sup = None
 
+    def _send_pending_checkpoint(self) -> None:
+        """SIGUSR1 only once the trainer has reported progress: before it installs its handler,
+        SIGUSR1's default action would kill it. Until then the request waits."""
+        if self._checkpoint_pending is None or self.sup is None or self.status.step is None:
+            return
+        if self.sup.signal_main(signal.SIGUSR1):
+            log.info("checkpoint_requested", reason=self._checkpoint_pending)
+        self._checkpoint_pending = None
+
     def _read_progress(self) -> None:
         path = self.control_dir / "progress.json"
         try:
@@ -241,6 +251,7 @@ class Runner:
             if self.status.step is None:
                 self.status.mark("first_step")
             self.status.step = step
+            self._send_pending_checkpoint()
         for key in ("samples_per_s", "loss"):
             if isinstance(doc.get(key), int | float):
                 setattr(self.status, key, float(doc[key]))
@@ -272,9 +283,8 @@ class Runner:
             if a is lc.Act.MOUNT:
                 return self._mount_and_start()
             if a is lc.Act.CHECKPOINT:
-                if self.sup is not None:
-                    self.sup.signal_main(signal.SIGUSR1)
-                    log.info("checkpoint_requested", reason=action.reason)
+                self._checkpoint_pending = action.reason or "requested"
+                self._send_pending_checkpoint()
                 return None
             if a is lc.Act.DRAIN:
                 return self._begin_drain(action)

@@ -26,8 +26,10 @@ term=0; usr=0
 trap 'term=1' TERM
 trap 'usr=1' USR1
 progress() {
-  printf '{"step": %d, "samples_per_s": 10.0, "loss": 0.5, "last_committed_step": %d, "last_commit_time": %s, "state": "training"}' \
-    "$step" "$committed" "$(date +%s)" > "$ctl/.progress.tmp" && mv "$ctl/.progress.tmp" "$ctl/progress.json"
+  f='{"step": %d, "samples_per_s": 10.0, "loss": 0.5, "last_committed_step": %d, '
+  f="$f"'"last_commit_time": %s, "state": "training"}'
+  printf "$f" "$step" "$committed" "$(date +%s)" > "$ctl/.progress.tmp"
+  mv "$ctl/.progress.tmp" "$ctl/progress.json"
 }
 commit() {
   echo "$step" > "$ck/.step.tmp" && mv "$ck/.step.tmp" "$ck/step"; committed=$step
@@ -137,9 +139,9 @@ def running(inst: Instance) -> Iterator[Agent]:
 
 def cleanup_instance(world: World, inst: Instance) -> None:
     """Undo what a test's agents may have left (mounts under the instance's home)."""
-    from spotagent.runner import stop_strays
-
     from loopdev import unmount_under
+
+    from spotagent.runner import stop_strays
 
     stop_strays(inst.mount_point, grace=1.0)
     unmount_under(inst.home)

@@ -87,7 +87,7 @@ def test_notice_releases_and_the_next_instance_resumes_at_the_next_step(
         # the committed one.
         assert f"step {committed + 1}" in log.split(f"resumed from {committed} ")[1]
         assert max(steps) > committed
-        proc = subprocess.run(b.agent_argv("drain") + ["--wait", "--timeout", "60"],
+        proc = subprocess.run([*b.agent_argv("drain"), "--wait", "--timeout", "60"],
                               env=b.agent_env(), capture_output=True, text=True, timeout=90)
         assert proc.returncode == 0, proc.stdout + proc.stderr + agent_b.output()
         assert agent_b.wait_exit(30) == 0

@@ -14,14 +14,25 @@ def packer(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=120)
 
 
+def ssh_key(tmp_path: Path) -> Path:
+    key = tmp_path / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
+                   check=True, timeout=30)
+    return key
+
+
 def test_template_validates_with_its_provisioned_files(tmp_path: Path) -> None:
     (tmp_path / "spotagent-0.1.0-py3-none-any.whl").write_bytes(b"")
-    proc = packer("validate", f"-var=wheelhouse={tmp_path}", TEMPLATE)
+    ssh_key(tmp_path)
+    proc = packer("validate", f"-var=wheelhouse={tmp_path}",
+                  f"-var=local_key_file={tmp_path / 'id_ed25519'}", TEMPLATE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_validation_notices_a_missing_provisioned_file(tmp_path: Path) -> None:
-    proc = packer("validate", f"-var=wheelhouse={tmp_path / 'absent'}", TEMPLATE)
+    ssh_key(tmp_path)
+    proc = packer("validate", f"-var=wheelhouse={tmp_path / 'absent'}",
+                  f"-var=local_key_file={tmp_path / 'id_ed25519'}", TEMPLATE)
     assert proc.returncode != 0
     assert "absent" in proc.stdout + proc.stderr
 
