@@ -395,18 +395,30 @@ class Pool:
         """Attach (the lock), tag, confirm. None when another instance won the volume."""
         ids = {"volume_id": volume_id, "instance_id": instance_id}
         started = self._clock()
-        try:
-            with translate("AttachVolume", **ids):
-                self.client.attach_volume(VolumeId=volume_id, InstanceId=instance_id,
-                                          Device=self.device)
-        except Ec2Error as exc:
-            if exc.code in _LOST_RACE:
-                log.info("claim_conflict", code=exc.code, **ids)
-                return None
-            if exc.code == "InvalidVolume.ZoneMismatch":
-                log.warning("claim_zone_mismatch", detail=exc.detail, **ids)
-                return None
-            raise
+        while True:
+            try:
+                with translate("AttachVolume", **ids):
+                    self.client.attach_volume(VolumeId=volume_id, InstanceId=instance_id,
+                                              Device=self.device)
+                break
+            except Ec2Error as exc:
+                if exc.code == "IncorrectState" and instance_id in exc.detail:
+                    # Our instance is not attachable yet (EC2 may still call it `pending` while
+                    # it already runs us): wait for it, not for another volume.
+                    if self._clock() - started >= self.attach_timeout:
+                        raise AttachTimeoutError(
+                            f"instance {instance_id} not attachable after "
+                            f"{self.attach_timeout:g}s: {exc.detail}", **ids) from exc
+                    log.info("instance_not_ready", detail=exc.detail, **ids)
+                    self._sleep(self.poll_interval)
+                    continue
+                if exc.code in _LOST_RACE:
+                    log.info("claim_conflict", code=exc.code, **ids)
+                    return None
+                if exc.code == "InvalidVolume.ZoneMismatch":
+                    log.warning("claim_zone_mismatch", detail=exc.detail, **ids)
+                    return None
+                raise
         # The attach succeeded: nobody else can attach this volume now, so its tags are ours to
         # write. Read the generation after the attach (a describe from before it may be stale).
         generation = self.get(volume_id).generation + 1

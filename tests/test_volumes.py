@@ -301,6 +301,28 @@ def test_a_volume_stuck_attaching_times_out_clearly_and_leaks_no_claim(env: Env)
     assert pool.attached_to(iid) is None
 
 
+def test_an_instance_ec2_still_calls_pending_is_waited_for_not_mistaken_for_an_empty_pool(
+        env: Env) -> None:
+    vid, = env.volumes(1)
+    iid, = env.instances(1)
+    env.server.set_instance_state(iid, "pending")
+    later = threading.Timer(0.4, env.server.set_instance_state, args=(iid, "running"))
+    later.start()
+    try:
+        with capture_logs() as logs:
+            claim = env.pool(attach_timeout=10).claim(iid, AZ)
+    finally:
+        later.cancel()
+    assert claim.volume_id == vid
+    assert any(e["event"] == "instance_not_ready" for e in logs)
+    assert not any(e["event"] == "claim_conflict" for e in logs)
+    other, = env.instances(1)
+    env.volumes(1)
+    env.server.set_instance_state(other, "pending")
+    with pytest.raises(AttachTimeoutError, match=f"instance {other} not attachable"):
+        env.pool(attach_timeout=0.3).claim(other, AZ)
+
+
 # --- create ------------------------------------------------------------------------------------
 
 
