@@ -41,6 +41,7 @@ def spotagent(*args: str, endpoint: str | None = None, region: bool = True,
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+               AWS_EC2_METADATA_DISABLED="true",  # never reach for a metadata service
                SPOTAGENT_LOG_LEVEL="warning")
     argv = [sys.executable, "-m", "spotagent", "pool", *args]
     if endpoint:
