@@ -33,22 +33,12 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from spotagent import subp
 from spotagent.errors import SpotagentError, SubprocessError
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The logger looked up at each call: one made at import would miss `log.configure()`
-    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger("chroot"), name)
-
-
-log = _ComponentLog()
+log = get_logger("chroot")
 
 CONTROL_DIR_IN_ROOT = "/run/spotagent"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

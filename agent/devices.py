@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -32,16 +31,7 @@ from watchdog.observers import Observer
 from spotagent.errors import SpotagentError
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The logger looked up at each call: one made at import would miss `log.configure()`
-    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger("devices"), name)
-
-
-log = _ComponentLog()
+log = get_logger("devices")
 
 BY_ID_PREFIX = "nvme-Amazon_Elastic_Block_Store_"
 _VOLUME_ID = re.compile(r"vol-([0-9a-f]{8}|[0-9a-f]{17})")

@@ -21,25 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import quote, urlsplit
 
 from spotagent.errors import SpotagentError
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The component's logger, looked up at each call: `get_logger` assembles a logger from
-    the logging set-up of the moment, so one made at import would miss `log.configure()`."""
-
-    def __init__(self, component: str) -> None:
-        self._component = component
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger(self._component), name)
-
-
-log = _ComponentLog("imds")
+log = get_logger("imds")
 
 DEFAULT_URL = "http://169.254.169.254"
 TOKEN_PATH = "api/token"

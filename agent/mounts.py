@@ -31,7 +31,6 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -39,16 +38,7 @@ from spotagent import subp
 from spotagent.errors import SpotagentError, SubprocessError
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The logger looked up at each call: one made at import would miss `log.configure()`
-    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger("mounts"), name)
-
-
-log = _ComponentLog()
+log = get_logger("mounts")
 
 MIB = 1 << 20
 PROC_MOUNTINFO = Path("/proc/self/mountinfo")

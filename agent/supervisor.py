@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import psutil
 
@@ -44,16 +44,7 @@ from spotagent.chroot import (
 from spotagent.errors import SpotagentError
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The logger looked up at each call: one made at import would miss `log.configure()`
-    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger("supervisor"), name)
-
-
-log = _ComponentLog()
+log = get_logger("supervisor")
 
 MAX_LINE = 64 * 1024            # longer lines are split (a progress bar without newlines)
 CHROOT_SEARCH = "/usr/sbin:/usr/bin:/sbin:/bin"

@@ -12,20 +12,10 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Any
 
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The logger looked up at each call: one made at import would miss `log.configure()`
-    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger("systemd"), name)
-
-
-log = _ComponentLog()
+log = get_logger("systemd")
 
 _KEY = re.compile(r"[A-Z][A-Z0-9_]*")
 

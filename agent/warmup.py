@@ -34,16 +34,7 @@ import psutil
 
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The logger looked up at each call: one made at import would miss `log.configure()`
-    (same pattern as spotagent.imds; drop once spotagent.log.get_logger is lazy)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger("warmup"), name)
-
-
-log = _ComponentLog()
+log = get_logger("warmup")
 
 MIB = 1 << 20
 _ALIGN = 4096

@@ -17,19 +17,7 @@ from typing import Any, Protocol
 from spotagent.imds import ImdsClient
 from spotagent.log import get_logger
 
-
-class _ComponentLog:
-    """The component's logger, looked up at each call: `get_logger` assembles a logger from
-    the logging set-up of the moment, so one made at import would miss `log.configure()`."""
-
-    def __init__(self, component: str) -> None:
-        self._component = component
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(get_logger(self._component), name)
-
-
-log = _ComponentLog("monitors")
+log = get_logger("monitors")
 
 _MONTHS = {m: i for i, m in enumerate(
     ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"), 1)}
