@@ -45,8 +45,9 @@ test-slow: setup
 demo: setup
 	$(PY) -m spotagent demo
 
+# Every benchmark, one after the other; each prints its figures and ratios (see README).
 bench: setup
-	$(PY) bench/detection.py
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

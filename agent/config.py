@@ -218,6 +218,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "iops": Field(_number(100, 256000, integer=True), 3000, "IOPS of new gp3/io volumes"),
         "throughput": Field(_number(125, 2000, integer=True), 250,
                             "throughput of new gp3 volumes, MiB/s"),
+        "init_rate_mib": Field(_number(0, 300, integer=True), 300,
+                               "volume-initialization rate asked for volumes made from a "
+                               "snapshot, MiB/s (100-300; 0: EC2's default lazy loading)"),
         "wait_max_backoff": Field(_number(1, 3600), 30.0,
                                   "longest pause between claim attempts when waiting, seconds"),
         "attach_timeout": Field(_number(1, 3600), 120.0, "longest wait for an attach, seconds"),
@@ -473,6 +476,10 @@ def _cross_checks(values: Mapping[tuple[str, str], Any],
     if values[("pool", "snapshot_id")] and values[("pool", "from_ami")]:
         raise _fail(sources[("pool", "from_ami")], "pool.from_ami", values[("pool", "from_ami")],
                     "set either pool.snapshot_id or pool.from_ami, not both")
+    rate = values[("pool", "init_rate_mib")]
+    if rate and rate < 100:
+        raise _fail(sources[("pool", "init_rate_mib")], "pool.init_rate_mib", rate,
+                    "must be 0 (EC2's default) or between 100 and 300")
     if values[("drain", "release_margin")] >= 120:
         raise _fail(sources[("drain", "release_margin")], "drain.release_margin",
                     values[("drain", "release_margin")], "must leave time to checkpoint")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from spotagent.crashpoints import crash_point
 from spotagent.ec2 import Ec2Error, translate
 from spotagent.errors import SpotagentError
 from spotagent.log import get_logger
@@ -232,7 +233,8 @@ class VolumeSpec:
     def from_config(cls, cfg: Any) -> VolumeSpec:
         p = cfg.pool
         return cls(volume_type=p.volume_type, size_gib=p.size_gib, iops=p.iops,
-                   throughput=p.throughput, snapshot_id=p.snapshot_id, from_ami=p.from_ami)
+                   throughput=p.throughput, snapshot_id=p.snapshot_id, from_ami=p.from_ami,
+                   init_rate_mib=p.init_rate_mib or None)
 
 
 # --- pure helpers ----------------------------------------------------------------------------
@@ -357,7 +359,8 @@ class Pool:
         """Claim one free volume of the pool for `instance_id` in `az`.
 
         1. One listing of the pool. A volume already attached to this instance is kept
-           (agent restart: never a second one); one still detaching from it is waited out.
+           (agent restart: never a second one); a release of ours cut short (still detaching,
+           or detached with our owner tag left) is finished first (`finish_releases`).
         2. Candidates: available, in `az`, not multi-attach, not done; newest checkpoint step
            first, then warm, then random (`order_candidates`).
         3. AttachVolume on the best candidate is the lock. VolumeInUse / IncorrectState /
@@ -373,9 +376,8 @@ class Pool:
         held = self._held(listing, instance_id)
         if held is not None:
             return self._keep(held, instance_id)
-        for v in listing:  # a release cut short: let it finish before claiming afresh
-            if v.attached_to == instance_id and v.attachment_state == "detaching":
-                self._wait_available(v.volume_id, self.detach_timeout, DetachTimeoutError)
+        if self.finish_releases(instance_id, listing):
+            listing = self.volumes()  # those volumes are free now
         candidates = self.candidates(az, listing)
         tried: set[str] = set()
         while candidates:
@@ -390,6 +392,24 @@ class Pool:
             candidates = [v for v in self.candidates(az) if v.volume_id not in tried]
         raise PoolEmptyError("no free volume in the pool", pool=self.name, az=az,
                              tried=len(tried))
+
+    def finish_releases(self, instance_id: str,
+                        listing: Sequence[Volume] | None = None) -> list[str]:
+        """Finish releases of this instance that were cut short (the agent died between
+        DetachVolume and dropping its owner tag): wait until such a volume is available, then
+        drop our owner tag, so no claim leaks. A volume still attached to us is not touched
+        (it is re-used). Returns the volumes finished."""
+        done = []
+        for v in listing if listing is not None else self.volumes():
+            detaching = v.attached_to == instance_id and v.attachment_state == "detaching"
+            stale_tag = v.attached_to is None and v.owner == instance_id
+            if not (detaching or stale_tag):
+                continue
+            self._wait_available(v.volume_id, self.detach_timeout, DetachTimeoutError)
+            self._untag_owner(v.volume_id, instance_id)
+            log.info("release_finished", volume_id=v.volume_id, instance_id=instance_id)
+            done.append(v.volume_id)
+        return done
 
     def _try_claim(self, volume_id: str, instance_id: str) -> Claim | None:
         """Attach (the lock), tag, confirm. None when another instance won the volume."""
@@ -419,10 +439,12 @@ class Pool:
                     log.warning("claim_zone_mismatch", detail=exc.detail, **ids)
                     return None
                 raise
+        crash_point("after_attach")
         # The attach succeeded: nobody else can attach this volume now, so its tags are ours to
         # write. Read the generation after the attach (a describe from before it may be stale).
         generation = self.get(volume_id).generation + 1
         self._tag(volume_id, {OWNER_TAG: instance_id, GENERATION_TAG: str(generation)})
+        crash_point("after_tag")
         vol = self._settle(volume_id, instance_id, generation, started)
         log.info("volume_claimed", generation=generation, checkpoint_step=vol.checkpoint_step,
                  warm=vol.warm, seconds=round(self._clock() - started, 3), **ids)
@@ -616,6 +638,7 @@ class Pool:
             with translate("DetachVolume", **ids):
                 self.client.detach_volume(VolumeId=volume_id, InstanceId=instance_id)
             log.info("volume_detaching", **ids)
+            crash_point("after_detach")
         self._wait_available(volume_id, self.detach_timeout, DetachTimeoutError)
         self._untag_owner(volume_id, instance_id)
         log.info("volume_released", checkpoint_step=checkpoint_step, done=done, **ids)
