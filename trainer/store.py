@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -146,7 +147,12 @@ class CheckpointStore:
         return bytes(buf)
 
     def load(self, path: Path) -> Loaded:
-        """Read and verify the checkpoint at `path`; every tensor gets its own CPU storage."""
+        """Read and verify the checkpoint at `path`.
+
+        Tensors are views of tensors.bin mapped copy-on-write (like `torch.load(mmap=True)`):
+        every byte has been read and checksummed when this returns; writing to a tensor copies
+        the touched pages privately and never changes the file.
+        """
         manifest = self.read_manifest(path)
         state_path = path / STATE_NAME
         raw = self._read_small(state_path, manifest.files[STATE_NAME], manifest.chunk_bytes)
@@ -156,20 +162,18 @@ class CheckpointStore:
             skeleton = doc["skeleton"]
         except (ValueError, KeyError, TypeError, CheckpointError) as err:
             raise CorruptCheckpointError("state.json is malformed", state_path) from err
-        storages: list[torch.Tensor] = []
-        sinks: list[tuple[int, memoryview]] = []
-        for rec in sorted(records, key=lambda r: r.offset):
-            t = torch.empty(rec.nbytes, dtype=torch.uint8)
-            storages.append(t)
-            if rec.nbytes:
-                sinks.append((rec.offset, byte_view(t)))
-        by_offset = {id(rec): t for rec, t in zip(sorted(records, key=lambda r: r.offset),
-                                                     storages, strict=True)}
         entry = manifest.files[TENSORS_NAME]
-        fsio.read_file_verified(path / TENSORS_NAME, size=entry.size, chunks=entry.chunks,
-                                chunk_bytes=manifest.chunk_bytes, sinks=sinks)
+        mapped = fsio.map_file_verified(path / TENSORS_NAME, size=entry.size,
+                                        chunks=entry.chunks, chunk_bytes=manifest.chunk_bytes)
+        whole = (torch.frombuffer(mapped, dtype=torch.uint8) if len(mapped)
+                 else torch.empty(0, dtype=torch.uint8))
+        for rec in records:
+            if rec.offset + rec.nbytes > entry.size:
+                raise CorruptCheckpointError(f"tensor at {rec.offset} runs past the end",
+                                             path / TENSORS_NAME)
         try:
-            tensors = [codec.view_tensor(rec, by_offset[id(rec)]) for rec in records]
+            tensors = [codec.view_tensor(rec, whole[rec.offset:rec.offset + rec.nbytes])
+                       for rec in records]
             tree = codec.decode(skeleton, tensors)
         except (CheckpointError, RuntimeError, ValueError) as err:
             raise CorruptCheckpointError(f"cannot rebuild state: {err}", state_path) from err
@@ -183,8 +187,11 @@ class CheckpointStore:
             manifest = self.read_manifest(path)
             total = 0
             for name, entry in manifest.files.items():
-                fsio.read_file_verified(path / name, size=entry.size, chunks=entry.chunks,
-                                        chunk_bytes=manifest.chunk_bytes)
+                mapped = fsio.map_file_verified(path / name, size=entry.size,
+                                                chunks=entry.chunks,
+                                                chunk_bytes=manifest.chunk_bytes)
+                if isinstance(mapped, mmap.mmap):
+                    mapped.close()
                 total += entry.size
         except CheckpointError as err:
             return VerifyResult(step, path, False, str(err), 0)
