@@ -5,6 +5,12 @@ The training thread is blocked only while the state is copied into a reusable ho
 work is system calls and zlib CRCs, which release the GIL, so it does not slow Python on the
 training thread (bench/checkpoint.py measures this).
 
+Deferred copy: tensors selected by `save(..., defer=pred)` (parameters and optimizer state, which
+only `optimizer.step()` mutates) are copied by the writer thread while the training thread
+already runs the next forward/backward; the training thread calls `wait_snapshot()` before it
+mutates them (Session does this in an optimizer step pre-hook). Everything else is copied
+before `save()` returns.
+
 One save is in flight at a time. `save(..., wait=False)` while one is in flight *coalesces*: the
 request is remembered (several collapse into one) and served by `poll()` at the first step
 boundary after the in-flight save has finished, with the state of that step. `save(..., wait=True)`
@@ -26,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from . import codec
 from ._log import event
@@ -52,11 +60,13 @@ class SaveResult:
     path: Path | None
     problem: str | None
     nbytes: int
-    stall_seconds: float   # training thread blocked (capture + copy to host)
-    write_seconds: float   # writer thread, until committed / abandoned
+    stall_seconds: float   # training thread blocked in save() (capture + non-deferred copy)
+    write_seconds: float   # writer thread, until committed / abandoned (incl. deferred copy)
+    copy_seconds: float = 0.0  # writer thread: deferred copy to host memory
 
 
 DeadlineFn = Callable[[], float | None]
+DeferFn = Callable[[torch.Tensor], bool]  # True: copy this source on the writer thread
 
 
 class AsyncCheckpointer:
@@ -83,6 +93,9 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._cancel = threading.Event()
+        self._snapshot_done = threading.Event()
+        self._snapshot_done.set()
+        self.blocked_seconds = 0.0  # training thread: save() stalls + wait_snapshot() waits
         self._pending = False
         self._bandwidth: float | None = None  # bytes/s of the last completed save
         self._results: list[SaveResult] = []
@@ -118,7 +131,7 @@ class AsyncCheckpointer:
         self._thread.start()
 
     def save(self, step: int, capture: Callable[[], Any], *, wait: bool = False,
-             extra: dict[str, Any] | None = None) -> Request:
+             extra: dict[str, Any] | None = None, defer: DeferFn | None = None) -> Request:
         """Request a checkpoint of `capture()` at `step` (see the module doc for the rules)."""
         if self.busy:
             if not wait:
@@ -126,17 +139,27 @@ class AsyncCheckpointer:
                 return Request.COALESCED
             self.wait()
         self._pending = False
-        self._start(step, capture, extra)
+        self._start(step, capture, extra, defer)
         return Request.STARTED
 
-    def poll(self, step: int, capture: Callable[[], Any],
-             extra: dict[str, Any] | None = None) -> Request | None:
+    def poll(self, step: int, capture: Callable[[], Any], extra: dict[str, Any] | None = None,
+             defer: DeferFn | None = None) -> Request | None:
         """At a step boundary: start the coalesced request once the writer is idle."""
         if self._pending and not self.busy:
             self._pending = False
-            self._start(step, capture, extra)
+            self._start(step, capture, extra, defer)
             return Request.STARTED
         return None
+
+    def wait_snapshot(self) -> float:
+        """Block until the deferred tensors of the current save are copied; seconds blocked."""
+        if self._snapshot_done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._snapshot_done.wait()
+        blocked = time.perf_counter() - t0
+        self.blocked_seconds += blocked
+        return blocked
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight save (or buffer preparation); False on timeout."""
@@ -157,18 +180,22 @@ class AsyncCheckpointer:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _start(self, step: int, capture: Callable[[], Any], extra: dict[str, Any] | None) -> None:
+    def _start(self, step: int, capture: Callable[[], Any], extra: dict[str, Any] | None,
+               defer: DeferFn | None) -> None:
         self.wait()  # a buffer preparation may still run
         t0 = time.perf_counter()
         encoded = codec.encode(capture())
         buf = self._buffer.reserve(encoded.total_bytes)
-        data = copy_into(encoded, buf)
+        deferred = [i for i, src in enumerate(encoded.sources) if defer is not None and defer(src)]
+        chosen = set(deferred)
+        data = copy_into(encoded, buf, [i for i in range(len(encoded.sources)) if i not in chosen])
+        if deferred:
+            self._snapshot_done.clear()
         stall = time.perf_counter() - t0
-        skeleton, records = encoded.skeleton, encoded.records
-        del encoded  # drop references to live tensors: the writer only needs the copy
+        self.blocked_seconds += stall
         self._cancel.clear()
         self._thread = threading.Thread(
-            target=self._write, args=(step, skeleton, records, data, stall, extra),
+            target=self._write, args=(step, encoded, deferred, buf, data, stall, extra),
             name=f"spottrainer-save-{step}", daemon=True)
         self._thread.start()
 
@@ -196,13 +223,23 @@ class AsyncCheckpointer:
         if deadline is not None and time.time() > deadline:
             raise SaveAbandonedError("deadline passed before commit")
 
-    def _write(self, step: int, skeleton: Any, records: list[codec.TensorRecord],
+    def _write(self, step: int, encoded: codec.Encoded, deferred: list[int], buf: Any,
                data: Any, stall: float, extra: dict[str, Any] | None) -> None:
         started = time.monotonic()
         nbytes = int(data.numel())
         status, path = SaveStatus.FAILED, None
         problem: str | None = "unexpected error in the writer thread"
+        copy_s = 0.0
         try:
+            try:
+                if deferred:
+                    t0 = time.perf_counter()
+                    copy_into(encoded, buf, deferred)
+                    copy_s = time.perf_counter() - t0
+            finally:
+                self._snapshot_done.set()  # never leave the training thread waiting
+            skeleton, records = encoded.skeleton, encoded.records
+            del encoded  # drop references to live tensors: only the copy is written
             path = self.store.write(
                 step, skeleton, records, data, check=self._check(started),
                 before_commit=self._before_commit, rate_limit=self.rate_limit,
@@ -213,16 +250,18 @@ class AsyncCheckpointer:
         except (CheckpointError, OSError) as err:
             problem = str(err)
         finally:  # also when an unexpected error propagates to threading.excepthook
-            self._record(step, status, path, problem, nbytes, stall, time.monotonic() - started)
+            self._record(SaveResult(step, status, path, problem, nbytes, stall,
+                                    time.monotonic() - started, copy_s))
 
-    def _record(self, step: int, status: SaveStatus, path: Path | None, problem: str | None,
-                nbytes: int, stall: float, seconds: float) -> None:
+    def _record(self, result: SaveResult) -> None:
+        status, seconds = result.status, result.write_seconds
         if status is SaveStatus.COMMITTED and seconds > 0:
-            self._bandwidth = nbytes / seconds
-        result = SaveResult(step, status, path, problem, nbytes, stall, seconds)
+            self._bandwidth = result.nbytes / seconds
+        step, path, problem = result.step, result.path, result.problem
         level = logging.INFO if status is SaveStatus.COMMITTED else logging.WARNING
         event(level, f"checkpoint_{status.value}", step=step, path=str(path or self.store.root),
-              bytes=nbytes, stall_s=round(stall, 4), write_s=round(seconds, 3),
+              bytes=result.nbytes, stall_s=round(result.stall_seconds, 4),
+              copy_s=round(result.copy_seconds, 4), write_s=round(seconds, 3),
               **({"problem": problem} if problem else {}))
         with self._lock:
             self._results.append(result)

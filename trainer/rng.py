@@ -30,13 +30,13 @@ def capture() -> dict[str, Any]:
 
 def restore(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].clone())
     if "numpy" in state and _np is not None:
         _np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         saved = state["cuda"]
         if len(saved) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(saved)
+            torch.cuda.set_rng_state_all([t.clone() for t in saved])
         else:
             event(logging.WARNING, "cuda_rng_not_restored", saved_devices=len(saved),
                   devices=torch.cuda.device_count())

@@ -5,6 +5,11 @@ complete; exit with the returned code. At each step boundary the session decides
 every rank under torch.distributed, through one tiny all-reduce) whether to start a checkpoint
 (periodic, SIGUSR1) or to commit and exit (SIGTERM). Requests arriving while a save is in flight
 coalesce into one save at the first boundary after it finishes.
+
+When the state has a torch optimizer, parameters and optimizer state are copied to host memory
+by the writer thread while the next forward/backward runs; an optimizer step pre-hook waits for
+that copy before `optimizer.step()` changes them (`defer_copy=False` copies everything at the
+boundary instead: use it if your loop changes parameters in place outside `optimizer.step()`).
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from . import codec, fsio
 from ._log import event
@@ -57,6 +64,7 @@ class Session:
         chunk_bytes: int = fsio.DEFAULT_CHUNK_BYTES,
         progress_interval_s: float = 1.0,
         pinned: bool | None = None,
+        defer_copy: bool = True,
         dist: Dist | None = None,
     ) -> None:
         self.state = state
@@ -88,6 +96,20 @@ class Session:
         self._loss = float("nan")
         self._samples = 0
         self._window: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
+        self._defer = bool(defer_copy and self.saver is not None
+                           and isinstance(state.optimizer, torch.optim.Optimizer))
+        if self._defer:
+            assert isinstance(state.optimizer, torch.optim.Optimizer)
+            self._hook = state.optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Time the training thread spent blocked by checkpoint snapshots so far."""
+        return 0.0 if self.saver is None else self.saver.blocked_seconds
+
+    def request_checkpoint(self) -> None:
+        """Checkpoint at the next step boundary and continue (what SIGUSR1 does)."""
+        self.flags.checkpoint_requested = True
 
     @classmethod
     def from_env(cls, state: TrainState, *, checkpoint_dir: Path | str | None = None,
@@ -217,7 +239,26 @@ class Session:
         assert ranks is not None
         self._write_progress("saving", force=True)
         self.saver.save(self.state.step, lambda: self.state.capture(ranks), wait=wait,
-                        extra={"world_size": self.dist.world})
+                        extra={"world_size": self.dist.world},
+                        defer=None if wait else self._defer_predicate())
+
+    def _before_optimizer_step(self, *_args: Any) -> None:
+        assert self.saver is not None
+        self.saver.wait_snapshot()
+
+    def _defer_predicate(self) -> Callable[[torch.Tensor], bool] | None:
+        """Sources living in parameter or optimizer-state storage: only step() mutates them."""
+        if not self._defer:
+            return None
+        opt = self.state.optimizer
+        assert isinstance(opt, torch.optim.Optimizer)
+        storages = {p.untyped_storage().data_ptr()
+                    for group in opt.param_groups for p in group["params"]}
+        for per_param in opt.state.values():
+            for value in per_param.values():
+                if isinstance(value, torch.Tensor):
+                    storages.add(value.untyped_storage().data_ptr())
+        return lambda t: t.untyped_storage().data_ptr() in storages
 
     def _collect_results(self) -> None:
         if self.saver is None:

@@ -8,6 +8,7 @@ off the critical path so the first save does not pay for page faults either.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 import torch
 
@@ -59,14 +60,18 @@ class HostBuffer:
         self._buf = None
 
 
-def copy_into(encoded: Encoded, buf: torch.Tensor) -> torch.Tensor:
-    """Copy every tensor of `encoded` into `buf` at its offset; return the used prefix.
+def copy_into(encoded: Encoded, buf: torch.Tensor,
+              indices: Iterable[int] | None = None) -> torch.Tensor:
+    """Copy tensors of `encoded` (all, or those at `indices`) into `buf` at their offsets;
+    return the used prefix of `buf`.
 
-    Device tensors are copied with non_blocking=True into the pinned buffer and synchronised once
-    at the end, so the stall is one pass over the state at memory / PCIe bandwidth.
+    Device tensors are copied with non_blocking=True into the pinned buffer and waited for once
+    at the end (an event on the current stream, not a device-wide synchronize), so the copy is
+    one pass over the state at memory / PCIe bandwidth.
     """
     device_copy = False
-    for rec, src in zip(encoded.records, encoded.sources, strict=True):
+    for i in range(len(encoded.records)) if indices is None else indices:
+        rec, src = encoded.records[i], encoded.sources[i]
         if rec.nbytes == 0:
             continue
         dst = buf[rec.offset:rec.offset + rec.nbytes]
@@ -74,5 +79,7 @@ def copy_into(encoded: Encoded, buf: torch.Tensor) -> torch.Tensor:
         device_copy = device_copy or on_device
         dst.copy_(src, non_blocking=on_device)
     if device_copy:
-        torch.cuda.synchronize()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+        done.synchronize()
     return buf[:encoded.total_bytes]

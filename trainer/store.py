@@ -45,6 +45,15 @@ TRASH_PREFIX = ".trash-"
 CORRUPT_PREFIX = "corrupt-"
 
 
+SMALL_TENSOR_BYTES = 1 << 20
+
+
+def _own_if_small(raw: torch.Tensor) -> torch.Tensor:
+    """Small tensors (RNG states, step counters, biases) get their own storage: some torch
+    functions (e.g. set_rng_state) mishandle views into a foreign buffer."""
+    return raw.clone() if raw.numel() < SMALL_TENSOR_BYTES else raw
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:012d}"
 
@@ -172,7 +181,8 @@ class CheckpointStore:
                 raise CorruptCheckpointError(f"tensor at {rec.offset} runs past the end",
                                              path / TENSORS_NAME)
         try:
-            tensors = [codec.view_tensor(rec, whole[rec.offset:rec.offset + rec.nbytes])
+            tensors = [codec.view_tensor(rec, _own_if_small(whole[rec.offset:rec.offset
+                                                                    + rec.nbytes]))
                        for rec in records]
             tree = codec.decode(skeleton, tensors)
         except (CheckpointError, RuntimeError, ValueError) as err:

@@ -59,6 +59,18 @@ class Run:
                 return int(ev["step"])
         raise TimeoutError(f"step {target} not reached in {timeout}s")
 
+    def wait_event(self, name: str, timeout: float = 60.0) -> dict[str, Any]:
+        """Block until an event called `name` has been logged (at any time); return it."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for ev in list(self.lines):
+                if ev.get("event") == name:
+                    return ev
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"no {name} event")
+
     def finish(self, timeout: float = 60.0) -> int:
         rc = self.proc.wait(timeout=timeout)
         self._thread.join(timeout=10)

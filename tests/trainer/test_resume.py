@@ -125,6 +125,7 @@ def test_sigterm_past_deadline_abandons_and_keeps_previous(tmp_path: Path,
     ckpt = tmp_path / "ckpt"
     run = running(ckpt, ["--steps", "400", "--checkpoint-every-steps", "5"], control=control)
     assert run.wait_step(12) is not None
+    run.wait_event("checkpoint_committed")  # a previous checkpoint exists (slow disks too)
     (control / "deadline.tmp").write_text(json.dumps(
         {"deadline": time.time() - 1, "reason": "spot-terminate"}))
     os.replace(control / "deadline.tmp", control / "deadline")
