@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from spotagent import agent_cli, log, pool_cli, testbed_cli
+from spotagent import agent_cli, demo, log, pool_cli, testbed_cli
 from spotagent import config as configmod
 from spotagent.errors import ConfigError, SpotagentError
 
@@ -99,6 +99,7 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]]
     agent_cli.register,
     pool_cli.register,
     testbed_cli.register,
+    demo.register,
 ]
 
 
