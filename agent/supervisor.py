@@ -365,11 +365,15 @@ class Supervisor:
             # coreutils chroot command does (see the module docstring).
             host_user = self._user if self._root is None else None
             spawned_wall = time.time()
+            # restore_signals=False: SIGPIPE stays ignored in the trainer (as systemd's
+            # IgnoreSIGPIPE=yes does for services). The read ends of its output pipes live in
+            # the agent; when the agent dies, a trainer writing its next line must get EPIPE,
+            # not be killed by SIGPIPE before the restarted agent asks it for a checkpoint.
             proc = subprocess.Popen(  # noqa: S603 - argv list, no shell; the one Popen
                 self._command(),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=env, cwd=self._cwd if self._root is None else "/",
-                start_new_session=True, close_fds=True, umask=0o022,
+                start_new_session=True, close_fds=True, umask=0o022, restore_signals=False,
                 user=host_user.uid if host_user else None,
                 group=host_user.gid if host_user else None,
                 extra_groups=list(host_user.groups) if host_user else None,

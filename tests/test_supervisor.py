@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -149,6 +153,42 @@ def test_output_lines_reach_the_log_file_and_the_log_events(tmp_path: Path) -> N
     output = {(e["stream"], e["line"]) for e in events if e["event"] == "trainer_output"}
     assert output == {("stdout", "step 1 loss 2.5"), ("stderr", "warn: slow"),
                       ("stdout", "no newline")}
+
+
+def test_trainer_outlives_its_output_reader_so_a_restarted_agent_can_stop_it(
+        tmp_path: Path) -> None:
+    # The agent holds the read ends of the trainer's output pipes. When the agent dies, the
+    # trainer's next line must fail with EPIPE, not kill it with SIGPIPE: the restarted agent
+    # asks the stray trainer for a checkpoint (SIGTERM) instead of finding it dead.
+    agent = textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        from spotagent.supervisor import RestartPolicy, Supervisor
+        sup = Supervisor(["/bin/sh", "-c", "while :; do echo tick; sleep 0.05; done"],
+                         root=None, user=None, env={"PATH": "/usr/bin:/bin"},
+                         log_path=Path(sys.argv[1]) / "trainer.log", policy=RestartPolicy())
+        (Path(sys.argv[1]) / "pid").write_text(str(sup.start()))
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", agent, str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (tmp_path / "pid").is_file() and
+                   (tmp_path / "pid").read_text().strip() != "", what="trainer started")
+        pid = int((tmp_path / "pid").read_text())
+        wait_until(lambda: "tick" in (tmp_path / "trainer.log").read_text(), what="output")
+        proc.kill()   # the agent dies; the kernel closes its ends of the pipes
+        proc.wait(timeout=10)
+        time.sleep(0.5)   # ten writes into pipes without a reader
+        assert not gone(pid), "the trainer died with its output reader"
+        sig_ign = next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                       .splitlines() if line.startswith("SigIgn:"))
+        assert int(sig_ign, 16) & (1 << (signal.SIGPIPE - 1))
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        with contextlib.suppress(NameError, ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def test_exit_zero_is_complete_and_never_restarted(tmp_path: Path) -> None:
