@@ -392,6 +392,29 @@ def test_release_detaches_clears_owner_and_records_step_and_done(env: Env) -> No
         pool.claim(iid, AZ)
 
 
+def test_a_release_cut_short_after_the_detach_is_finished_not_leaked(env: Env) -> None:
+    # The agent died between DetachVolume and dropping its owner tag (crash point
+    # after_detach). Two volumes, so a restart that claimed the *other* one would leave the
+    # first tagged as ours for ever; finish_releases drops the tag (the claim of the restarted
+    # agent runs it too).
+    env.server.set_delays(0.0, 0.3)
+    first, other = env.volumes(2)
+    iid, = env.instances(1)
+    pool = env.pool()
+    claim = pool.claim(iid, AZ)
+    env.client.detach_volume(VolumeId=claim.volume_id, InstanceId=iid)   # then "crash"
+    assert env.get(claim.volume_id).owner == iid
+    assert pool.finish_releases(iid) == [claim.volume_id]
+    v = env.get(claim.volume_id)
+    assert (v.state, v.attached_to, v.owner, v.generation) == ("available", None, None, 1)
+    assert pool.finish_releases(iid) == []   # idempotent
+    # A stale owner tag alone (the detach had completed) is dropped by the next claim.
+    env.tag(other, owner=iid)
+    again = env.pool(seed=5).claim(iid, AZ)
+    left = other if again.volume_id == claim.volume_id else claim.volume_id
+    assert env.get(left).owner is None and env.get(again.volume_id).owner == iid
+
+
 def test_release_refuses_while_the_device_is_still_mounted(env: Env) -> None:
     env.volumes(1)
     iid, = env.instances(1)
