@@ -31,7 +31,8 @@ HOLDS_VOLUME = frozenset({State.MOUNTING, State.TRAINING, State.DRAINING})
 
 
 class Act(enum.StrEnum):
-    CLAIM = "claim"                    # one pass over the pool's candidates
+    CLAIM = "claim"                    # one pass over the pool's candidates (keeps a volume
+                                       # already attached to us, finishing its tags)
     WAIT = "wait"                      # back off, then claim again (on_empty = wait)
     CREATE = "create"                  # create a volume in this AZ and claim it (on_empty = create)
     MOUNT = "mount"                    # device, probe, fsck, mount, chroot, start trainer
@@ -67,6 +68,8 @@ class Event:
 
 @dataclass(frozen=True)
 class Boot(Event):
+    """The agent knows who it is. Notices seen at the first poll come before it."""
+
     attached_volume: str | None = None   # a volume of the pool already attached to us (restart)
 
 
@@ -215,7 +218,14 @@ def _drain(state: State, ctx: Context, deadline: datetime, cause: str) -> Transi
         return Transition(State.DRAINING, (Action(Act.NOTIFY_STOPPING),
                                            Action(Act.RELEASE, deadline, cause)), cause,
                           context=_ctx(ctx, drain_deadline=deadline))
-    if state in (State.STARTING, State.CLAIMING, State.WAITING):
+    if state is State.STARTING:
+        # Before Boot the runner has not said whether a volume is attached to us (an agent
+        # restarted mid-drain): remember the deadline; Boot releases or ends.
+        if ctx.drain_deadline is not None:
+            return Transition(state, (), cause, ignored=True)
+        return Transition(State.STARTING, (Action(Act.NOTIFY_STOPPING),), cause,
+                          context=_ctx(ctx, drain_deadline=deadline))
+    if state in (State.CLAIMING, State.WAITING):
         # No volume held: stop claiming and end.
         return Transition(State.RELEASED, (Action(Act.NOTIFY_STOPPING), Action(Act.EXIT)), cause)
     return Transition(state, (), cause, ignored=True)
@@ -235,8 +245,18 @@ def next_state(state: State, event: Event, ctx: Context) -> Transition:
 
     match event:
         case Boot(attached_volume=vol) if state is State.STARTING:
+            if ctx.drain_deadline is not None:
+                # Interrupted before we even started: nothing to train, only to give back.
+                if vol:
+                    return Transition(State.DRAINING,
+                                      (Action(Act.RELEASE, ctx.drain_deadline, "interrupted"),),
+                                      f"boot: interrupted; releasing volume {vol}")
+                return Transition(State.RELEASED, (Action(Act.EXIT),),
+                                  "boot: interrupted before claiming")
             if vol:
-                return Transition(State.MOUNTING, (Action(Act.MOUNT, reason="re-use"),),
+                # Claim keeps a volume already attached to us (never a second one) and finishes
+                # its owner tag and generation if the last agent died before writing them.
+                return Transition(State.CLAIMING, (Action(Act.CLAIM, reason="re-use"),),
                                   f"boot: volume {vol} already attached to this instance")
             return Transition(State.CLAIMING, (Action(Act.CLAIM),), "boot")
 

@@ -4,6 +4,24 @@ It owns the main loop of `spotagent run`. It decides nothing itself (that is
 `lifecycle.next_state`); it polls the monitors, the supervisor, the trainer's progress file and
 the signal flags, feeds what it sees to the state machine, and carries out the actions with the
 modules that own each side effect (volumes, devices, mounts, chroot, supervisor, systemd).
+
+Guarantees kept here:
+
+- The state file is written on every transition, before and after its actions run.
+- An agent restarted on the same instance resumes: the first monitor poll comes before Boot
+  (a notice that is already there means release, not train), a volume attached to us is kept
+  by the claim (never a second one), a release cut short is finished, and a trainer left in the
+  chroot is asked for a checkpoint (SIGTERM) and stopped before anything else runs there.
+- An exception nobody expected (a bug) still ends with the held volume released: the runner
+  feeds `Failed` to the lifecycle, carries out what it says (kill, release), then re-raises, so
+  the process ends non-zero and systemd restarts it.
+- sd_notify WATCHDOG=1: the main loop pings on every tick (at most ~0.25 s apart). The actions
+  that block (claim, create, mount, release, kill) run while a helper thread keeps pinging at
+  the watchdog interval, but only for as long as the action's own worst case
+  (`_action_bound`): an action hung past its bound stops the pings and systemd's watchdog
+  restarts the agent.
+- Test hook: `SPOTAGENT_TEST_CRASH_AT` (see `spotagent.crashpoints`) kills the agent at a named
+  point of claim, mount and release; unset in production.
 """
 
 from __future__ import annotations
@@ -14,7 +32,9 @@ import json
 import os
 import random
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +46,7 @@ from spotagent import chroot as chrootmod
 from spotagent import devices, mounts, status, subp, systemd
 from spotagent import lifecycle as lc
 from spotagent.config import Config
+from spotagent.crashpoints import crash_point
 from spotagent.errors import SpotagentError
 from spotagent.imds import Identity, ImdsClient
 from spotagent.log import get_logger
@@ -34,7 +55,6 @@ from spotagent.supervisor import ALIVE, RestartPolicy, Supervisor, TrainerState,
 from spotagent.volumes import Pool, PoolEmptyError, next_backoff
 
 log = get_logger("runner")
-
 
 
 def kernel_boot_time() -> datetime:
@@ -77,6 +97,7 @@ class Runner:
                                          mount_point=str(cfg.volume.mount_point))
         self.identity: Identity | None = None
         self.volume_id: str | None = None
+        self.holding = False                # a volume is attached to us and not yet released
         self.created_empty = False
         self.env: chrootmod.Environment | None = None
         self.sup: Supervisor | None = None
@@ -99,27 +120,61 @@ class Runner:
             signal.signal(signal.SIGTERM, self._on_stop_signal)
             signal.signal(signal.SIGINT, self._on_stop_signal)
         self.status.mark("start")
+        self._write_status(force=True)
+        try:
+            self._boot()
+            while not self.exit_requested:
+                while self.queue and not self.exit_requested:
+                    self._handle(self.queue.popleft())
+                if self.exit_requested:
+                    break
+                self._tick()
+        except Exception as exc:
+            self._release_after_crash(exc)
+            raise
+        self._write_status(force=True)
+        systemd.status(self.status.summary())
+        return 1 if self.state is lc.State.FAILED else 0
+
+    def _boot(self) -> None:
         self.identity = self.imds.identity()
         self.status.instance_id = self.identity.instance_id
         self.status.availability_zone = self.identity.availability_zone
         log.info("agent_started", instance_id=self.identity.instance_id,
                  availability_zone=self.identity.availability_zone, pool=self.cfg.pool.name,
                  boot_time=self.ctx.boot_time.isoformat())
+        # A release the last agent cut short (detach requested, owner tag left) is finished
+        # before anything else, so no claim leaks whatever happens next.
+        self.pool.finish_releases(self.identity.instance_id)
         held = self.pool.attached_to(self.identity.instance_id)
         if held is not None:
             self.volume_id = held.volume_id
+            self.holding = True
             self.status.volume_id = held.volume_id
             self.status.generation = held.generation
+            log.warning("volume_already_attached", volume_id=held.volume_id,
+                        instance_id=self.identity.instance_id, generation=held.generation)
+        # A notice already there (an agent restarted mid-drain) is seen before Boot, so the
+        # lifecycle releases instead of training.
+        self._next_poll = time.monotonic() + float(self.cfg.imds.poll_interval)
+        self._poll_monitors()
         self.queue.append(lc.Boot(attached_volume=held.volume_id if held else None))
-        while not self.exit_requested:
-            while self.queue and not self.exit_requested:
-                self._handle(self.queue.popleft())
-            if self.exit_requested:
-                break
-            self._tick()
+
+    def _release_after_crash(self, exc: Exception) -> None:
+        """An exception nobody expected: let the lifecycle say what a failure means now
+        (holding a volume: kill the trainer, release) and do it, then the caller re-raises."""
+        if isinstance(exc, SpotagentError):
+            reason = str(exc)
+        else:
+            reason = f"unexpected error: {type(exc).__name__}: {exc}"[:500]
+        log.error("agent_crashed", error=reason, state=self.state.value,
+                  volume_id=self.volume_id)
+        self.exit_requested = False
+        self.queue.clear()
+        self.queue.append(lc.Failed(reason=reason))
+        while self.queue and not self.exit_requested:
+            self._handle(self.queue.popleft())
         self._write_status(force=True)
-        systemd.status(self.status.summary())
-        return 1 if self.state is lc.State.FAILED else 0
 
     def _on_stop_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.flags.stop = True
@@ -130,8 +185,14 @@ class Runner:
         if t.context is not None:
             self.ctx = t.context
         if t.ignored:
-            log.debug("event_ignored", state=self.state.value, cause=t.cause)
+            if isinstance(event, lc.Notice):
+                log.info("notice_ignored", state=self.state.value, cause=t.cause)
+            else:
+                log.debug("event_ignored", state=self.state.value, cause=t.cause)
             return
+        if isinstance(event, lc.Notice):
+            self.status.mark("notice")
+            self.status.notice = f"{event.source}:{event.kind} at {event.notice_time.isoformat()}"
         if t.state is not self.state:
             log.info("state_changed", old=self.state.value, state=t.state.value,
                      cause=t.cause, volume_id=self.volume_id)
@@ -145,6 +206,8 @@ class Runner:
             follow = self._do(action)
             if follow is not None:
                 self.queue.append(follow)
+        if t.actions:
+            self._write_status(force=True)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -192,8 +255,6 @@ class Runner:
                 log.warning("monitor_poll_failed", monitor=mon.name, error=str(exc))
                 continue
             for ev in events:
-                self.status.mark("notice")
-                self.status.notice = f"{ev.source}:{ev.kind} at {ev.notice_time.isoformat()}"
                 log.info("interruption_notice", source=ev.source, kind=ev.kind,
                          notice_time=ev.notice_time.isoformat(),
                          detected_at=ev.detected_at.isoformat())
@@ -269,49 +330,103 @@ class Runner:
     def _do(self, action: lc.Action) -> lc.Event | None:
         a = action.act
         try:
-            if a is lc.Act.CLAIM:
-                return self._claim()
-            if a is lc.Act.WAIT:
-                delay = next_backoff(self.claim_attempt, float(self.cfg.pool.wait_max_backoff),
-                                     self.rng)
-                self.claim_attempt += 1
-                self.retry_at = time.monotonic() + delay
-                log.info("pool_wait", pool=self.cfg.pool.name, retry_in=round(delay, 2))
-                return None
-            if a is lc.Act.CREATE:
-                return self._create()
-            if a is lc.Act.MOUNT:
-                return self._mount_and_start()
-            if a is lc.Act.CHECKPOINT:
-                self._checkpoint_pending = action.reason or "requested"
-                self._send_pending_checkpoint()
-                return None
-            if a is lc.Act.DRAIN:
-                return self._begin_drain(action)
-            if a is lc.Act.KILL:
-                if self.sup is not None:
-                    self.sup.kill_tree()
-                    log.warning("trainer_killed", reason=action.reason or "deadline")
-                return None
-            if a in (lc.Act.RELEASE, lc.Act.RELEASE_DONE):
-                return self._release(done=a is lc.Act.RELEASE_DONE)
-            if a is lc.Act.POWEROFF:
-                subp.run(["systemctl", "poweroff"], timeout=30, check=False)
-                return None
-            if a is lc.Act.NOTIFY_READY:
-                systemd.ready()
-                return None
-            if a is lc.Act.NOTIFY_STOPPING:
-                systemd.stopping()
-                budget_us = int((self.ctx.stop_deadline + 60) * 1_000_000)
-                systemd.extend_timeout(budget_us)
-                return None
-            if a is lc.Act.EXIT:
-                self.exit_requested = True
-                return None
+            with self._keepalive(a):
+                return self._do_action(action)
         except SpotagentError as exc:
             log.error("action_failed", action=a.value, error=str(exc), volume_id=self.volume_id)
             return lc.Failed(reason=f"{a.value}: {exc}")
+
+    def _action_bound(self, act: lc.Act) -> float:
+        """Worst-case seconds of a blocking action, from the timeouts it runs under; the
+        watchdog keep-alive stops after this long."""
+        cfg = self.cfg
+        attach = float(cfg.pool.attach_timeout) + float(self.pool.detach_timeout)
+        drain = float(cfg.drain.stop_deadline)
+        release = drain + 2 * mounts.UMOUNT_TIMEOUT + float(self.pool.detach_timeout) + 60
+        if act is lc.Act.CLAIM:
+            return attach + 60
+        if act is lc.Act.CREATE:
+            return float(self.pool.create_timeout) + attach + 60
+        if act is lc.Act.MOUNT:
+            return (float(cfg.devices.timeout) + mounts.FSCK_TIMEOUT + mounts.MKFS_TIMEOUT
+                    + mounts.MOUNT_TIMEOUT + drain + 120)
+        if act in (lc.Act.RELEASE, lc.Act.RELEASE_DONE):
+            return release
+        if act is lc.Act.KILL:
+            return 60.0
+        if act is lc.Act.POWEROFF:
+            return 60.0
+        return 0.0
+
+    @contextlib.contextmanager
+    def _keepalive(self, act: lc.Act) -> Iterator[None]:
+        """Ping the systemd watchdog while a blocking action runs, for at most its bound."""
+        interval = systemd.watchdog_interval()
+        bound = self._action_bound(act)
+        if interval is None or bound <= 0:
+            yield
+            return
+        stop = threading.Event()
+        give_up = time.monotonic() + bound
+
+        def ping() -> None:
+            while not stop.wait(interval):
+                if time.monotonic() >= give_up:
+                    log.error("watchdog_keepalive_expired", action=act.value, bound=bound)
+                    return
+                systemd.watchdog()
+
+        pinger = threading.Thread(target=ping, name=f"watchdog-{act.value}", daemon=True)
+        systemd.watchdog()
+        pinger.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            pinger.join(timeout=5)
+
+    def _do_action(self, action: lc.Action) -> lc.Event | None:
+        a = action.act
+        if a is lc.Act.CLAIM:
+            return self._claim()
+        if a is lc.Act.WAIT:
+            delay = next_backoff(self.claim_attempt, float(self.cfg.pool.wait_max_backoff),
+                                 self.rng)
+            self.claim_attempt += 1
+            self.retry_at = time.monotonic() + delay
+            log.info("pool_wait", pool=self.cfg.pool.name, retry_in=round(delay, 2))
+            return None
+        if a is lc.Act.CREATE:
+            return self._create()
+        if a is lc.Act.MOUNT:
+            return self._mount_and_start()
+        if a is lc.Act.CHECKPOINT:
+            self._checkpoint_pending = action.reason or "requested"
+            self._send_pending_checkpoint()
+            return None
+        if a is lc.Act.DRAIN:
+            return self._begin_drain(action)
+        if a is lc.Act.KILL:
+            if self.sup is not None:
+                self.sup.kill_tree()
+                log.warning("trainer_killed", reason=action.reason or "deadline")
+            return None
+        if a in (lc.Act.RELEASE, lc.Act.RELEASE_DONE):
+            return self._release(done=a is lc.Act.RELEASE_DONE, deadline=action.deadline)
+        if a is lc.Act.POWEROFF:
+            subp.run(["systemctl", "poweroff"], timeout=30, check=False)
+            return None
+        if a is lc.Act.NOTIFY_READY:
+            systemd.ready()
+            return None
+        if a is lc.Act.NOTIFY_STOPPING:
+            systemd.stopping()
+            budget_us = int((self.ctx.stop_deadline + 60) * 1_000_000)
+            systemd.extend_timeout(budget_us)
+            return None
+        if a is lc.Act.EXIT:
+            self.exit_requested = True
+            return None
         raise AssertionError(f"unhandled action {a}")
 
     def _claim(self) -> lc.Event:
@@ -321,6 +436,8 @@ class Runner:
         except PoolEmptyError:
             self.status.error = None
             return lc.PoolEmpty()
+        if claim.reused and claim.volume_id != self.volume_id and self.volume_id is not None:
+            log.warning("attached_volume_changed", before=self.volume_id, now=claim.volume_id)
         return self._claimed(claim.volume_id, claim.generation, claim.created_empty)
 
     def _create(self) -> lc.Event:
@@ -331,6 +448,7 @@ class Runner:
 
     def _claimed(self, volume_id: str, generation: int | None, created_empty: bool) -> lc.Event:
         self.volume_id = volume_id
+        self.holding = True
         self.created_empty = created_empty
         self.status.volume_id = volume_id
         self.status.generation = generation
@@ -353,6 +471,7 @@ class Runner:
         self.status.mark("mounted")
         log.info("volume_mounted", volume_id=self.volume_id, device=str(dev), mount_point=str(mp),
                  fstype=fstype)
+        crash_point("after_mount")
         # A trainer left running by an agent that died must not run twice.
         stop_strays(mp, grace=float(cfg.drain.stop_deadline))
         # Checks first (no mounts made yet), so a bad environment fails with nothing to undo
@@ -365,6 +484,7 @@ class Runner:
         for stale in ("deadline", "progress.json"):
             (self.control_dir / stale).unlink(missing_ok=True)
         env.prepare(user=user)
+        crash_point("after_chroot")
         argv = list(cfg.trainer.command)
         env.check_command(argv, user=user)
         env.ensure_checkpoint_dir(cfg.trainer.checkpoint_dir, user)
@@ -423,32 +543,52 @@ class Runner:
             return None
         return lc.TrainerExited(code=0)
 
-    def _release(self, *, done: bool) -> lc.Event:
+    def _release(self, *, done: bool, deadline: datetime | None = None) -> lc.Event:
+        """Stop whatever runs in the chroot, tear it down, sync and unmount, detach, untag.
+        Idempotent: after a crash half-way, running it again finishes the job."""
         warm = getattr(self, "_warmup", None)
         if warm is not None:
             warm.stop()
         if self.sup is not None:
             self.sup.kill_tree()
         self.sup = None
+        mp: Path = self.cfg.volume.mount_point
+        # A trainer left by an agent that died (we restarted mid-drain) gets its SIGTERM
+        # checkpoint within what is left of the deadline.
+        stop_strays(mp, grace=self._grace(deadline))
         if self.env is not None:
             self.env.teardown()
         else:
-            chrootmod.Environment(self.cfg.volume.mount_point,
-                                  control_dir=self.control_dir).teardown()
+            chrootmod.Environment(mp, control_dir=self.control_dir).teardown()
         if self.volume_id is None:
             return lc.Released()
-        mp: Path = self.cfg.volume.mount_point
         mounts.unmount_tree(mp)
         self.status.mark("unmounted")
+        crash_point("after_unmount")
         dev = self.status.device
+        if dev is None:
+            found = devices.find_device(self.volume_id, by_id_dir=self.cfg.devices.by_id_dir)
+            dev = str(found) if found is not None else None
         step = self.status.last_committed_step
+        if step is None:   # no trainer ran in this process: what the last one committed
+            step = _committed_step_from_progress(self.control_dir / "progress.json")
         assert self.identity is not None
         self.pool.release(self.volume_id, self.identity.instance_id, checkpoint_step=step,
                           done=done if done else None,
                           still_mounted=lambda: _still_in_use(dev))
+        self.holding = False
         self.status.mark("volume_available")
         log.info("volume_released", volume_id=self.volume_id, checkpoint_step=step, done=done)
         return lc.Released()
+
+    def _grace(self, deadline: datetime | None = None) -> float:
+        """Seconds a stray trainer gets to checkpoint: what is left of the drain deadline,
+        at most drain.stop_deadline, at least one second."""
+        cap = float(self.cfg.drain.stop_deadline)
+        until = deadline or self.ctx.drain_deadline
+        if until is None:
+            return cap
+        return max(1.0, min(cap, (until - _utcnow()).total_seconds()))
 
     def _write_status(self, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -497,20 +637,43 @@ def stop_strays(root: Path, *, grace: float) -> None:
 
 
 def release_leftovers(cfg: Config, pool: Pool, instance_id: str) -> str | None:
-    """Undo what a dead agent left on this instance: processes in the chroot, the chroot's
-    mounts, the volume's mount, the attachment and the claim. Returns the volume released."""
+    """Undo what a dead agent left on this instance: processes in the chroot (asked for a
+    checkpoint first), the chroot's mounts, the volume's mount, the attachment and the claim,
+    including a release it cut short. Records the outcome in the state file. Returns the volume
+    released."""
     mp: Path = cfg.volume.mount_point
+    state_dir: Path = cfg.agent.state_dir
+    control = state_dir / "control"
     held = pool.attached_to(instance_id)
     stop_strays(mp, grace=float(cfg.drain.stop_deadline))
-    chrootmod.Environment(mp, control_dir=cfg.agent.state_dir / "control").teardown()
+    chrootmod.Environment(mp, control_dir=control).teardown()
     mounts.unmount_tree(mp)
-    if held is None:
-        return None
-    step = _committed_step_from_progress(cfg.agent.state_dir / "control" / "progress.json")
-    device = devices.find_device(held.volume_id, by_id_dir=cfg.devices.by_id_dir)
-    pool.release(held.volume_id, instance_id, checkpoint_step=step,
-                 still_mounted=lambda: _still_in_use(str(device) if device else None))
-    return held.volume_id
+    released = None
+    step = _committed_step_from_progress(control / "progress.json")
+    if held is not None:
+        device = devices.find_device(held.volume_id, by_id_dir=cfg.devices.by_id_dir)
+        pool.release(held.volume_id, instance_id, checkpoint_step=step,
+                     still_mounted=lambda: _still_in_use(str(device) if device else None))
+        released = held.volume_id
+    finished = pool.finish_releases(instance_id)
+    released = released or (finished[0] if finished else None)
+    log.info("leftovers_released", instance_id=instance_id, volume_id=released,
+             checkpoint_step=step)
+    try:
+        st = status.read(state_dir)
+    except status.StatusError:
+        st = None
+    if st is not None and released is not None:
+        st.state = lc.State.RELEASED.value
+        st.cause = "spotagent release (no agent running)"
+        st.error = None
+        st.trainer_pid = None
+        if step is not None:
+            st.last_committed_step = step
+        st.mark("unmounted")
+        st.mark("volume_available")
+        status.write(state_dir, st)
+    return released
 
 
 def _committed_step_from_progress(path: Path) -> int | None:

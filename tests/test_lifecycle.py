@@ -43,9 +43,44 @@ def spot(kind: str = "terminate", *, at: datetime = NOW + timedelta(minutes=2)) 
 def test_boot_claims_or_reuses_an_attached_volume() -> None:
     t = next_state(State.STARTING, Boot(), CTX)
     assert (t.state, acts(t)) == (State.CLAIMING, [Act.CLAIM])
+    # A volume already attached to us (agent restart) goes through the claim too: it keeps
+    # the volume (never a second one) and finishes owner tag and generation if they are missing.
     t = next_state(State.STARTING, Boot(attached_volume="vol-1"), CTX)
+    assert (t.state, acts(t)) == (State.CLAIMING, [Act.CLAIM])
+    assert "already attached" in t.cause and t.actions[0].reason == "re-use"
+    t = next_state(State.CLAIMING, Claimed("vol-1"), CTX)
     assert (t.state, acts(t)) == (State.MOUNTING, [Act.MOUNT])
-    assert "already attached" in t.cause
+
+
+def test_notice_seen_before_boot_releases_instead_of_training() -> None:
+    # The runner polls the monitors once before Boot: an agent restarted mid-drain finds the
+    # notice still there and must give the volume back, not start training again.
+    t = next_state(State.STARTING, spot(), CTX)
+    assert (t.state, acts(t)) == (State.STARTING, [Act.NOTIFY_STOPPING])
+    assert t.context is not None and t.context.drain_deadline is not None
+    ctx = t.context
+    held = next_state(State.STARTING, Boot(attached_volume="vol-1"), ctx)
+    assert (held.state, acts(held)) == (State.DRAINING, [Act.RELEASE])
+    assert held.actions[0].deadline == ctx.drain_deadline
+    assert next_state(State.DRAINING, Released(), ctx).state is State.RELEASED
+    free = next_state(State.STARTING, Boot(), ctx)
+    assert (free.state, acts(free)) == (State.RELEASED, [Act.EXIT])
+    # A second notice before Boot keeps the first deadline.
+    assert next_state(State.STARTING, spot("hibernate"), ctx).ignored
+
+
+def test_stale_notice_before_boot_changes_nothing() -> None:
+    t = next_state(State.STARTING, spot(at=BOOT - timedelta(minutes=3)), CTX)
+    assert t.ignored and t.state is State.STARTING
+    assert next_state(State.STARTING, Boot(), CTX).state is State.CLAIMING
+
+
+def test_stop_before_boot_is_remembered() -> None:
+    t = next_state(State.STARTING, StopRequested(requested_at=NOW), CTX)
+    assert t.context is not None
+    assert t.context.drain_deadline == NOW + timedelta(seconds=90)
+    assert acts(next_state(State.STARTING, Boot(attached_volume="vol-1"), t.context)) == [
+        Act.RELEASE]
 
 
 @pytest.mark.parametrize(("on_empty", "state", "expected"), [
