@@ -398,7 +398,7 @@ def test_a_release_cut_short_after_the_detach_is_finished_not_leaked(env: Env) -
     # first tagged as ours for ever; finish_releases drops the tag (the claim of the restarted
     # agent runs it too).
     env.server.set_delays(0.0, 0.3)
-    first, other = env.volumes(2)
+    _first, other = env.volumes(2)
     iid, = env.instances(1)
     pool = env.pool()
     claim = pool.claim(iid, AZ)
