@@ -20,7 +20,6 @@ import math
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -161,6 +160,8 @@ class AgentRun:
 
 def fsync_write_bandwidth(directory: Path, nbytes: int, *, repeats: int = 5) -> float:
     """Median bytes/s of writing `nbytes` to a new file in `directory` and fsyncing it."""
+    import statistics
+
     nbytes = max(nbytes, 1 << 20)
     block = os.urandom(1 << 20)
     rates = []
@@ -382,10 +383,11 @@ class Scenario:
         return boot
 
     def train_then_notice(self, run: AgentRun, *, until_step: int,
-                          measure_usage: bool = True) -> Cycle:
-        """Wait until `run` trains, measure it, fire a spot notice at `until_step`, and wait
-        for the release. Returns the cycle's figures."""
-        boot = self.wait_training(run)
+                          measure_usage: bool = True, boot: BootTimes | None = None) -> Cycle:
+        """Wait until `run` trains (unless `boot` says it does), measure it, fire a spot
+        notice at `until_step`, and wait for the release. Returns the cycle's figures."""
+        if boot is None:
+            boot = self.wait_training(run)
         cpu = rss = math.nan
         if measure_usage:
             cpu, rss = sample_usage(run.pid)
