@@ -133,8 +133,10 @@ build {
     destination = "/tmp/spotagent-install/"
   }
 
+  # As root: through sudo for the AMI's login user (ubuntu), directly when Packer already logs
+  # in as root (the null source in CI; a minimal image has no sudo).
   provisioner "shell" {
-    execute_command = "chmod +x {{ .Path }}; sudo -E sh -c '{{ .Vars }} {{ .Path }}'"
+    execute_command = "chmod +x {{ .Path }}; if [ \"$(id -u)\" = 0 ]; then {{ .Vars }} {{ .Path }}; else sudo -E sh -c '{{ .Vars }} {{ .Path }}'; fi"
     scripts         = ["packer/scripts/install.sh"]
   }
 }

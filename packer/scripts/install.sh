@@ -31,4 +31,6 @@ fi
 install -D -m 0644 "$SRC/instance-policy.json" "$PREFIX/share/iam/instance-policy.json"
 systemctl daemon-reload || true
 systemctl enable spotagent.service
+# The staging directory would otherwise ship in the image (/tmp is a plain directory on AMIs).
+rm -rf "$SRC"
 log "done: $("$PREFIX/venv/bin/python" -c 'import spotagent; print(spotagent.__version__)')"

@@ -1,0 +1,137 @@
+"""The shipped unit under a real systemd: the Packer-built image booted with systemd as PID 1.
+
+Each test boots the image (systemd-nspawn) as one emulated instance whose agent talks to the
+IMDS and strict EC2 emulators on the host, claims a pool volume (a loop device the device plane
+sets up on attach), mounts it and chroots into it to run a protocol-speaking busybox trainer.
+What is checked is what an operator sees: `systemctl status spotagent`, the journal, and the
+volume's state and tags in EC2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+from conftest import Machine, record, status_line
+
+pytestmark = pytest.mark.slow
+
+def training(m: Machine, min_step: int = 3) -> object:
+    return m.wait_for(lambda s: s.state == "training" and (s.step or 0) >= min_step,
+                      what=f"training at step {min_step}")
+
+
+def test_unit_is_active_running_and_its_status_line_shows_the_step(boot_instance) -> None:
+    m = boot_instance()
+    ready = m.wait_ready()
+    booted = m.box.wait_booted()
+    record("container start -> unit READY", ready)
+    unit = m.unit("ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
+    agent_start = m.box.monotonic_of(unit["ExecMainStartTimestampMonotonic"]) - m.box.started_at
+    record("container start -> agent exec", agent_start)
+    print(f"\nboot -> READY: {ready:.2f} s (agent started {agent_start:.2f} s after the "
+          f"container; system {booted})")
+    training(m)
+    # STATUS= is sent when the one-line summary changes; wait for one that carries a step.
+    end = time.monotonic() + 30
+    text, line = "", None
+    while time.monotonic() < end:
+        text = m.box.status(m.UNIT)
+        line = status_line(text)
+        if line and " step " in line:
+            break
+        time.sleep(0.2)
+    assert re.search(r"Active: active \(running\)", text), text
+    assert line is not None, text
+    assert re.fullmatch(rf"training, volume {m.volume_id}, step \d+.*", line), line
+    assert "Loaded: loaded (/etc/systemd/system/spotagent.service; enabled" in text, text
+    vol = m.volume()
+    assert vol["State"] == "in-use"
+    assert vol["Attachments"][0]["InstanceId"] == m.inst.instance_id
+    assert vol["TagMap"]["spotagent:owner"] == m.inst.instance_id
+
+
+def test_a_spot_notice_drains_and_the_volume_becomes_available(boot_instance) -> None:
+    m = boot_instance()
+    m.wait_ready()
+    training(m)
+    m.world.imds.fire_spot_action(m.inst.instance_id, "terminate")
+    end = time.monotonic() + 120
+    while time.monotonic() < end and m.volume()["State"] != "available":
+        time.sleep(0.2)
+    vol = m.volume()
+    assert vol["State"] == "available", m.diagnostics()
+    assert "spotagent:owner" not in vol["TagMap"]
+    assert int(vol["TagMap"]["spotagent:checkpoint-step"]) >= 3
+    # Released: the agent exits 0, and Restart=on-failure leaves it stopped.
+    unit = m.wait_unit(lambda p: p["ActiveState"] == "inactive", timeout=60,
+                       what="unit inactive after the release")
+    assert unit["Result"] == "success" and unit["NRestarts"] == "0", unit
+    journal = m.box.journal(m.UNIT)
+    assert "interruption_notice" in journal and "volume_released" in journal
+    assert m.world.plane.violations == []
+
+
+def test_systemctl_stop_drains_and_releases(boot_instance) -> None:
+    m = boot_instance()
+    m.wait_ready()
+    st = training(m)
+    start = time.monotonic()
+    m.box.systemctl("stop", m.UNIT, check=True, timeout=240)
+    record("systemctl stop (drain + release)", time.monotonic() - start)
+    vol = m.volume()
+    assert vol["State"] == "available", m.diagnostics()
+    assert "spotagent:owner" not in vol["TagMap"]
+    assert int(vol["TagMap"]["spotagent:checkpoint-step"]) >= st.step
+    unit = m.unit("ActiveState", "Result", "NRestarts")
+    assert unit == {"ActiveState": "inactive", "Result": "success", "NRestarts": "0"}, unit
+    assert "drain_started" in m.box.journal(m.UNIT)
+    assert m.world.plane.violations == []
+
+
+def test_a_broken_config_fails_the_unit_with_its_one_line_error(boot_instance) -> None:
+    m = boot_instance(config_text=lambda t: t.replace("poll_interval = 0.2",
+                                                      "poll_interval = -1"),
+                      with_volume=False)
+    m.box.wait_booted()
+    unit = m.wait_unit(lambda p: p["ActiveState"] == "failed", "ActiveState", "Result",
+                       "ExecMainStatus", "NRestarts", timeout=60, what="unit failed")
+    assert unit["Result"] == "exit-code" and unit["ExecMainStatus"] == "2", unit
+    time.sleep(6)  # longer than RestartSec=5: exit 2 must not be restarted
+    assert m.unit("NRestarts", "ActiveState") == {"NRestarts": "0", "ActiveState": "failed"}
+    text = m.box.status(m.UNIT)
+    errors = [ln for ln in text.splitlines() if "spotagent: config error" in ln]
+    assert len(errors) == 1, text
+    assert "imds.poll_interval" in errors[0] and "-1" in errors[0], errors[0]
+    assert "status=2/INVALIDARGUMENT" in text, text
+
+
+def test_a_hung_agent_is_restarted_by_the_watchdog_and_keeps_its_volume(boot_instance) -> None:
+    m = boot_instance()
+    m.wait_ready()
+    st = training(m)
+    before = m.unit("MainPID", "NRestarts", "WatchdogUSec")
+    assert before["NRestarts"] == "0"
+    hung = m.box.host_pid(int(before["MainPID"]))
+    stopped_at = time.monotonic()
+    os.kill(hung, signal.SIGSTOP)
+    watchdog_s = int(before["WatchdogUSec"]) / 1e6
+    after = m.wait_unit(lambda p: p["NRestarts"] == "1" and p["ActiveState"] == "active",
+                        timeout=watchdog_s + 90, what="restart by the watchdog")
+    record("SIGSTOP -> restarted agent READY", time.monotonic() - stopped_at)
+    assert after["MainPID"] != before["MainPID"]
+    assert "Watchdog timeout" in m.box.journal(m.UNIT) or "watchdog" in m.box.status(m.UNIT)
+    st2 = m.wait_for(lambda s: s.state == "training" and s.trainer_pid is not None
+                     and (s.step or 0) >= 1 and s.agent_pid != st.agent_pid,
+                     what="the restarted agent training")
+    # Re-used, not claimed again: same volume, still this instance's, one claim generation.
+    assert st2.volume_id == st.volume_id == m.volume_id
+    vol = m.volume()
+    assert vol["State"] == "in-use"
+    assert vol["Attachments"][0]["InstanceId"] == m.inst.instance_id
+    assert vol["TagMap"]["spotagent:owner"] == m.inst.instance_id
+    assert vol["TagMap"]["spotagent:generation"] == "1"
+    assert m.world.plane.violations == []
