@@ -20,14 +20,17 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psutil
@@ -66,6 +69,28 @@ Say = Callable[[str], None]
 
 class DemoError(SpotagentError):
     """The demo saw something go wrong (it cleans up, then exits non-zero)."""
+
+
+class DemoStopped(DemoError):
+    """SIGTERM arrived: the demo stops at its next wait and cleans up."""
+
+
+# Set by the SIGTERM handler (which does nothing else); every wait of the demo checks it, so a
+# `timeout`, a CI cancel or a systemd stop still ends with nothing mounted or attached.
+_stop = threading.Event()
+
+
+def _on_term(_signum: int, _frame: FrameType | None) -> None:
+    _stop.set()
+
+
+def install_stop_handler() -> None:
+    signal.signal(signal.SIGTERM, _on_term)
+
+
+def check_stop() -> None:
+    if _stop.is_set():
+        raise DemoStopped("stopped by SIGTERM")
 
 
 def say(line: str = "") -> None:
@@ -119,15 +144,12 @@ class AgentRun:
             if time.monotonic() >= end:
                 raise DemoError(f"agent {self.label}: timed out waiting for {what}",
                                 state=st.state if st else "-", log=self.log_path)
+            check_stop()
             time.sleep(0.05)
 
     def wait_exit(self, timeout: float) -> int:
         assert self.proc is not None
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            raise DemoError(f"agent {self.label} did not exit within {timeout:g} s",
-                            log=self.log_path) from exc
+        return _wait_process(self.proc, timeout, f"agent {self.label}")
 
     def events(self) -> list[dict[str, Any]]:
         """The agent's JSON log events (its stderr is a file, so it logs JSON lines)."""
@@ -156,6 +178,16 @@ class AgentRun:
 
 
 # --- measurements -----------------------------------------------------------------------------
+
+
+def _wait_process(proc: subprocess.Popen[Any], timeout: float, what: str) -> int:
+    end = time.monotonic() + timeout
+    while (code := proc.poll()) is None:
+        if time.monotonic() >= end:
+            raise DemoError(f"{what} did not exit within {timeout:g} s")
+        check_stop()
+        time.sleep(0.05)
+    return code
 
 
 def fsync_write_bandwidth(directory: Path, nbytes: int, *, repeats: int = 5) -> float:
@@ -190,6 +222,7 @@ def sample_usage(pid: int, seconds: float = USAGE_WINDOW_S) -> tuple[float, floa
     c0 = p.cpu_times()
     rss = p.memory_info().rss
     while time.monotonic() - t0 < seconds:
+        check_stop()
         time.sleep(0.5)
         rss = max(rss, p.memory_info().rss)
     c1 = p.cpu_times()
@@ -412,12 +445,20 @@ class Scenario:
 
     def drain(self, run: AgentRun, boot: BootTimes) -> Cycle:
         """`spotagent drain --wait` for `run`; returns its cycle (no notice figures)."""
-        proc = subprocess.run(  # noqa: S603 - our own argv
-            [*run.inst.agent_argv("drain"), "--wait", "--timeout", "120"],
-            env=run.inst.agent_env(), capture_output=True, text=True, timeout=180, check=False)
-        if proc.returncode != 0:
-            raise DemoError("spotagent drain failed", code=proc.returncode,
-                            output=(proc.stdout + proc.stderr).strip()[-300:])
+        out_path = run.inst.home / "drain.out"
+        with open(out_path, "wb") as out:
+            proc = subprocess.Popen(  # noqa: S603 - our own argv
+                [*run.inst.agent_argv("drain"), "--wait", "--timeout", "120"],
+                env=run.inst.agent_env(), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = _wait_process(proc, 180, "spotagent drain")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        if code != 0:
+            raise DemoError("spotagent drain failed", code=code,
+                            output=out_path.read_text(errors="replace").strip()[-300:])
         st = self._released(run, run.wait_exit(60), "the drain")
         tl = st.timeline
         committed = st.last_committed_step
@@ -594,6 +635,7 @@ def run_demo(*, notice_at: int, workdir: Path | None, keep: bool, cache: Path | 
         problems: list[str] = []
         result = 1
         try:
+            install_stop_handler()
             result = _scenario(scenario, notice_at)
         except (SpotagentError, KeyboardInterrupt) as exc:
             failure = exc
@@ -613,6 +655,9 @@ def run_demo(*, notice_at: int, workdir: Path | None, keep: bool, cache: Path | 
     say(f"demo took {time.monotonic() - t_start:.1f} s")
     if isinstance(failure, KeyboardInterrupt):
         return 130
+    if isinstance(failure, DemoStopped):
+        say("demo stopped by SIGTERM")
+        return 143
     if failure is not None:
         say(f"demo FAILED: {failure}")
         return 1

@@ -47,6 +47,7 @@ from spotagent.demo import (
     Scenario,
     Workload,
     fsync_write_bandwidth,
+    install_stop_handler,
     torch_workload,
 )
 from spotagent.errors import SpotagentError
@@ -84,6 +85,7 @@ def run(cycles: int, steps: int, workload: Workload, workdir: Path) -> int:
     lost: list[int] = []
     drained: Cycle | None = None
     try:
+        install_stop_handler()
         s.start()
         run_ = s.boot("1")
         boot = s.wait_training(run_)
