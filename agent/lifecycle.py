@@ -324,7 +324,9 @@ def next_state(state: State, event: Event, ctx: Context) -> Transition:
             return Transition(State.RELEASED, (Action(Act.EXIT),), "volume released")
 
         case Failed(reason=reason):
-            new = _ctx(ctx, failure=reason)
+            # The first failure is the cause the operator needs; a later one (a release that
+            # fails after it) is added, not swapped in.
+            new = _ctx(ctx, failure=f"{ctx.failure}; then {reason}" if ctx.failure else reason)
             if state in HOLDS_VOLUME:
                 if state is State.DRAINING and ctx.failure:
                     # Release itself failed: nothing more this process can do safely.

@@ -56,6 +56,9 @@ from spotagent.volumes import Pool, PoolEmptyError, next_backoff
 
 log = get_logger("runner")
 
+# Longest wait for a device unmounted here but still in use elsewhere, before the detach.
+DETACH_WAIT = 30.0
+
 
 def kernel_boot_time() -> datetime:
     """The kernel's boot time (btime in /proc/stat): notices older than this are stale."""
@@ -196,6 +199,9 @@ class Runner:
         if t.state is not self.state:
             log.info("state_changed", old=self.state.value, state=t.state.value,
                      cause=t.cause, volume_id=self.volume_id)
+        else:
+            log.info("state_kept", state=t.state.value, cause=t.cause,
+                     actions=[a.act.value for a in t.actions], volume_id=self.volume_id)
         self.state = t.state
         self.status.state = t.state.value
         self.status.cause = t.cause
@@ -572,6 +578,7 @@ class Runner:
         step = self.status.last_committed_step
         if step is None:   # no trainer ran in this process: what the last one committed
             step = _committed_step_from_progress(self.control_dir / "progress.json")
+        self._wait_detachable(dev, deadline)
         assert self.identity is not None
         self.pool.release(self.volume_id, self.identity.instance_id, checkpoint_step=step,
                           done=done if done else None,
@@ -580,6 +587,22 @@ class Runner:
         self.status.mark("volume_available")
         log.info("volume_released", volume_id=self.volume_id, checkpoint_step=step, done=done)
         return lc.Released()
+
+    def _wait_detachable(self, dev: str | None, deadline: datetime | None) -> None:
+        """Unmounted here, but the device may still be in use elsewhere: a mount namespace
+        that copied the volume's mount (a container or `unshare` started while it was
+        mounted), or a holder on its way out. Wait for that to end within what is left of the
+        deadline (at most DETACH_WAIT seconds); the pool's own guard refuses the detach if it
+        does not."""
+        if not _still_in_use(dev, quiet=True):
+            return
+        limit = min(DETACH_WAIT, self._grace(deadline))
+        end = time.monotonic() + limit
+        log.warning("detach_waiting", device=dev, volume_id=self.volume_id, limit=limit)
+        while time.monotonic() < end:
+            time.sleep(0.25)
+            if not _still_in_use(dev, quiet=True):
+                return
 
     def _grace(self, deadline: datetime | None = None) -> float:
         """Seconds a stray trainer gets to checkpoint: what is left of the drain deadline,
@@ -685,14 +708,15 @@ def _committed_step_from_progress(path: Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _still_in_use(device: str | None) -> bool:
+def _still_in_use(device: str | None, *, quiet: bool = False) -> bool:
     """The guard the pool checks right before DetachVolume: never detach a mounted device."""
     if not device or not Path(device).exists():
         return False
     try:
         mounts.assert_detachable(Path(device))
     except SpotagentError as exc:
-        log.error("detach_refused", device=device, error=str(exc))
+        if not quiet:
+            log.error("detach_refused", device=device, error=str(exc))
         return True
     return False
 

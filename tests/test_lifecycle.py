@@ -220,6 +220,9 @@ def test_failure_while_holding_a_volume_releases_it_first() -> None:
     assert t.context is not None
     t3 = next_state(State.DRAINING, Failed("detach timed out"), t.context)
     assert (t3.state, acts(t3)) == (State.FAILED, [Act.EXIT])
+    # The first failure stays the headline; the failed release is added to it.
+    assert t3.context is not None
+    assert t3.context.failure == "no root file system on the volume; then detach timed out"
 
 
 def test_terminal_states_ignore_everything() -> None:
