@@ -100,7 +100,6 @@ class Runner:
                                          mount_point=str(cfg.volume.mount_point))
         self.identity: Identity | None = None
         self.volume_id: str | None = None
-        self.holding = False                # a volume is attached to us and not yet released
         self.created_empty = False
         self.env: chrootmod.Environment | None = None
         self.sup: Supervisor | None = None
@@ -152,7 +151,6 @@ class Runner:
         held = self.pool.attached_to(self.identity.instance_id)
         if held is not None:
             self.volume_id = held.volume_id
-            self.holding = True
             self.status.volume_id = held.volume_id
             self.status.generation = held.generation
             log.warning("volume_already_attached", volume_id=held.volume_id,
@@ -454,7 +452,6 @@ class Runner:
 
     def _claimed(self, volume_id: str, generation: int | None, created_empty: bool) -> lc.Event:
         self.volume_id = volume_id
-        self.holding = True
         self.created_empty = created_empty
         self.status.volume_id = volume_id
         self.status.generation = generation
@@ -583,7 +580,6 @@ class Runner:
         self.pool.release(self.volume_id, self.identity.instance_id, checkpoint_step=step,
                           done=done if done else None,
                           still_mounted=lambda: _still_in_use(dev))
-        self.holding = False
         self.status.mark("volume_available")
         log.info("volume_released", volume_id=self.volume_id, checkpoint_step=step, done=done)
         return lc.Released()
