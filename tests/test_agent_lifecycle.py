@@ -12,7 +12,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_world import TRAINER_SETTINGS, Agent, busybox_image, cleanup_instance, running
+from agent_world import (
+    TRAINER_SETTINGS,
+    busybox_image,
+    emulated_world,
+    mounts_under,
+    pool_volumes,
+    running,
+    shared_image,
+    trainer_log,
+)
 
 from spotagent.testbed.world import World
 
@@ -24,29 +33,13 @@ if os.geteuid() != 0:
 
 @pytest.fixture
 def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path / "world").start()
-    try:
+    with emulated_world(tmp_path) as w:
         yield w
-    finally:
-        for inst in w.instances.values():
-            cleanup_instance(w, inst)
-        w.close()
 
 
 @pytest.fixture
-def pool_volume(world: World, tmp_path: Path) -> str:
-    snap = world.make_snapshot(busybox_image(tmp_path))
-    return world.make_pool_volumes("dl", 1, snapshot_id=snap)[0]
-
-
-def trainer_log(agent: Agent) -> str:
-    return (agent.inst.mount_point / "var/log/spotagent/trainer.log").read_text()
-
-
-def no_mounts_under(path: Path) -> bool:
-    real = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as f:
-        return not any(line.split()[4].startswith(real) for line in f)
+def pool_volume(world: World, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return pool_volumes(world, shared_image(tmp_path_factory, "busybox", busybox_image))[0]
 
 
 def test_notice_releases_and_the_next_instance_resumes_at_the_next_step(
@@ -56,8 +49,8 @@ def test_notice_releases_and_the_next_instance_resumes_at_the_next_step(
         st = agent.wait_for(lambda s: s.state == "training" and (s.step or 0) >= 5,
                             what="training at step 5")
         assert st.volume_id == pool_volume and st.instance_id == a.instance_id
-        assert "resumed from 0" in trainer_log(agent)
-        assert "uid=1000" in trainer_log(agent)  # the chroot's user, never root
+        assert "resumed from 0" in trainer_log(a)
+        assert "uid=1000" in trainer_log(a)  # the chroot's user, never root
         world.imds.fire_spot_action(a.instance_id, "terminate")
         assert agent.wait_exit(60) == 0
         st = agent.status()
@@ -72,7 +65,7 @@ def test_notice_releases_and_the_next_instance_resumes_at_the_next_step(
     assert "spotagent:owner" not in vol["TagMap"]
     assert vol["TagMap"]["spotagent:checkpoint-step"] == str(committed)
     assert vol["TagMap"]["spotagent:generation"] == "1"
-    assert no_mounts_under(a.home)
+    assert mounts_under(a.home) == []
     assert world.plane.device_of(pool_volume) is None
     assert world.plane.violations == []
 
@@ -80,7 +73,7 @@ def test_notice_releases_and_the_next_instance_resumes_at_the_next_step(
     with running(b) as agent_b:
         agent_b.wait_for(lambda s: s.state == "training" and (s.step or 0) > committed,
                          what="B training past A's checkpoint")
-        log = trainer_log(agent_b)
+        log = trainer_log(b)
         assert f"resumed from {committed} " in log
         steps = [int(m) for m in re.findall(r"^step (\d+)$", log, re.M)]
         # A's steps up to its commit, then B's from commit + 1: none lost, none repeated past
