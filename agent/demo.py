@@ -249,6 +249,18 @@ class BootTimes:
                 f"{self.claim:.3f} s + device wait {self.device:.3f} s")
 
 
+def busy_after_unmount(run: AgentRun) -> float:
+    """Seconds the agent waited for its unmounted device to become detachable (its
+    `detach_waiting` event to `volume_detaching`), 0 when it did not have to."""
+    evs = run.events()
+    start = next((e for e in evs if e.get("event") == "detach_waiting"), None)
+    if start is None:
+        return 0.0
+    end = next((e for e in evs if e.get("event") in ("volume_detaching", "detach_refused")
+                and _ts(e) >= _ts(start)), None)
+    return (_ts(end) if end is not None else time.time()) - _ts(start)
+
+
 def boot_times(run: AgentRun, st: statusmod.AgentStatus) -> BootTimes:
     """From the agent's log: `agent_started` (identity known, about to look at the pool) to
     `volume_claimed` is the claim; `device_found.waited_s` is the device wait. The timeline
@@ -332,6 +344,10 @@ class Cycle:
     notice_to_commit: float = math.nan   # nan for a drain
     cpu_pct: float = math.nan
     rss_mb: float = math.nan
+    # Unmounted, but the device stayed busy: a copy of the mount in another mount namespace
+    # (a container or `unshare` started on this machine while the volume was mounted, even
+    # one detached lazily and so in no mountinfo) pins it until that namespace lets go.
+    busy_after_unmount: float = 0.0
 
     @property
     def last_step(self) -> int:
@@ -441,7 +457,7 @@ class Scenario:
         return Cycle(run.label, boot, self._segment(run), committed,
                      tl["volume_available"] - tl["checkpoint_committed"],
                      notice_to_commit=tl["checkpoint_committed"] - tl["notice"],
-                     cpu_pct=cpu, rss_mb=rss)
+                     cpu_pct=cpu, rss_mb=rss, busy_after_unmount=busy_after_unmount(run))
 
     def drain(self, run: AgentRun, boot: BootTimes) -> Cycle:
         """`spotagent drain --wait` for `run`; returns its cycle (no notice figures)."""
@@ -465,7 +481,8 @@ class Scenario:
         assert committed is not None
         self.note(f"spotagent drain: {run.label} committed step {committed} and released")
         return Cycle(run.label, boot, self._segment(run), committed,
-                     tl["volume_available"] - tl["checkpoint_committed"])
+                     tl["volume_available"] - tl["checkpoint_committed"],
+                     busy_after_unmount=busy_after_unmount(run))
 
     def _released(self, run: AgentRun, code: int, after: str) -> statusmod.AgentStatus:
         st = run.status() or statusmod.AgentStatus()
@@ -579,9 +596,13 @@ def figure_rows(cycles: Sequence[Cycle], drained: Cycle | None, *, bandwidth: fl
                     " fsynced + 1 s"))
     rel = [*cycles, *([drained] if drained else [])]
     w = max(rel, key=lambda c: c.commit_to_available)
+    note = f"worst of {', '.join(f'{c.label} {c.commit_to_available:.3f}' for c in rel)}"
+    if w.busy_after_unmount > 0.05:
+        note += (f"; {w.label}'s device stayed busy {w.busy_after_unmount:.1f} s after its "
+                 "unmount: another mount namespace on this machine held a copy of the mount")
     rows.append(Row("checkpoint committed -> volume available", f"{w.commit_to_available:.3f} s",
                     f"<= {RELEASE_TARGET_S:g} s", w.commit_to_available <= RELEASE_TARGET_S,
-                    f"worst of {', '.join(f'{c.label} {c.commit_to_available:.3f}' for c in rel)}"))
+                    note))
     b = max(rel, key=lambda c: c.boot.own)
     rows.append(Row("agent's own time, start -> trainer exec", f"{b.boot.own:.3f} s",
                     f"<= {AGENT_OWN_TARGET_S:g} s", b.boot.own <= AGENT_OWN_TARGET_S,

@@ -120,15 +120,19 @@ def report(results: Sequence[Cycle], targets: Sequence[float], bandwidths: Seque
     print()
     print(f"{'cycle':>5} {'ckpt MB':>8} {'disk MB/s':>9} {'notice->commit':>15} {'target':>7} "
           f"{'commit->avail':>14} {'own boot':>9} {'claim':>6} {'lost':>5} {'cpu %':>6} "
-          f"{'rss MB':>7}")
+          f"{'rss MB':>7} {'busy':>5}")
     for c, t, bw, n in zip(results, targets, bandwidths, lost, strict=True):
         print(f"{c.label:>5} {c.checkpoint_bytes / 1e6:8.1f} {bw / 1e6:9.0f} "
               f"{c.notice_to_commit:14.3f}s {t:6.3f}s {c.commit_to_available:13.3f}s "
-              f"{c.boot.own:8.3f}s {c.boot.claim:5.2f}s {n:5d} {c.cpu_pct:6.2f} {c.rss_mb:7.1f}")
+              f"{c.boot.own:8.3f}s {c.boot.claim:5.2f}s {n:5d} {c.cpu_pct:6.2f} {c.rss_mb:7.1f} "
+              f"{c.busy_after_unmount:4.1f}s")
     if drained is not None:
         print(f"{drained.label:>5} (drained) {'':>48} {drained.commit_to_available:13.3f}s "
-              f"{drained.boot.own:8.3f}s {drained.boot.claim:5.2f}s")
+              f"{drained.boot.own:8.3f}s {drained.boot.claim:5.2f}s {'':>19} "
+              f"{drained.busy_after_unmount:4.1f}s")
     print(f"python -c pass on this machine now: {base:.3f} s (noise floor of the boot figure)")
+    print("busy = seconds the unmounted device stayed busy because another mount namespace on "
+          "this machine held a copy of the mount (part of commit -> available)")
     print()
     everyone = [*results, *([drained] if drained else [])]
     rows: list[tuple[str, list[float], float, str, Callable[[float, float], bool]]] = [
