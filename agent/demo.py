@@ -669,9 +669,11 @@ def run_demo(*, notice_at: int, workdir: Path | None, keep: bool, cache: Path | 
             say(f"  {p}")
     else:
         say("cleanup: nothing mounted, no loop device left")
-    if not keep and own_dir and not problems:
-        shutil.rmtree(work, ignore_errors=True)
-    elif keep or problems:
+    if not keep and not problems:
+        # The volumes' image files are the bulk (a copy of the image each): never left behind
+        # unasked; a --workdir of the caller keeps its logs.
+        shutil.rmtree(work if own_dir else scenario.world.plane.image_dir, ignore_errors=True)
+    if keep or problems:
         say(f"kept {work} (agent logs: <instance>/agent.log, emulators: demo.log)")
     say(f"demo took {time.monotonic() - t_start:.1f} s")
     if isinstance(failure, KeyboardInterrupt):
