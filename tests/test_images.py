@@ -226,6 +226,25 @@ def test_concurrent_builders_of_one_entry_build_it_once(tmp_path: Path) -> None:
     assert lines == ["waiting for another build of entry"]
 
 
+def test_prune_keeps_the_entries_used_last_and_skips_locked_ones(tmp_path: Path) -> None:
+    import fcntl
+
+    for i in range(5):
+        e = tmp_path / f"torch-bookworm-{i}.img"
+        e.write_text(str(i))
+        os.utime(e, (1000 + i, 1000 + i))
+    (tmp_path / "torch-root-bookworm-0").mkdir()          # another prefix: not touched
+    (tmp_path / ".torch-bookworm-9.img.tmp-1").write_text("")  # a build in progress
+    (tmp_path / ".locks").mkdir()
+    with open(tmp_path / ".locks" / "torch-bookworm-0.img.lock", "a+b") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)                  # in use by someone
+        removed = images.prune(tmp_path, "torch-bookworm-", keep=2, progress=lambda _: None)
+    assert sorted(removed) == ["torch-bookworm-1.img", "torch-bookworm-2.img"]
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != ".locks")
+    assert left == [".torch-bookworm-9.img.tmp-1", "torch-bookworm-0.img", "torch-bookworm-3.img",
+                    "torch-bookworm-4.img", "torch-root-bookworm-0"]
+
+
 # --- images from directories --------------------------------------------------------------------
 
 
@@ -265,6 +284,24 @@ def test_an_image_of_a_missing_directory_fails_and_caches_nothing(tmp_path: Path
                         progress=lambda _: None)
     assert not (tmp_path / "c" / "x.img").exists()
     assert not list((tmp_path / "c").glob(".x.img.tmp-*"))
+
+
+@needs_root
+def test_a_killed_build_that_left_mounts_is_unmounted_then_removed(tmp_path: Path) -> None:
+    stale = tmp_path / ".entry.tmp-999999"
+    (stale / "proc").mkdir(parents=True)
+    (stale / "sys").mkdir()
+    subprocess.run(["mount", "-t", "proc", "proc", str(stale / "proc")], check=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(stale / "sys")], check=True)
+        entry = images.cached(tmp_path, "entry", lambda tmp: tmp.write_text("ok"),
+                              progress=lambda _: None)
+        assert entry.read_text() == "ok"
+        assert not stale.exists()
+        assert images.mounts_under(tmp_path) == []
+    finally:
+        for mp in images.mounts_under(tmp_path):
+            subprocess.run(["umount", "-l", mp], check=False)
 
 
 @needs_root

@@ -59,6 +59,8 @@ WHEEL_PLATFORM = "manylinux_2_28_x86_64"
 # Free space an image keeps beyond its content (checkpoints, logs, ext4 metadata).
 HEADROOM = 0.30
 MIN_IMAGE_MIB = 64
+# Torch roots and images kept per suite (each spottrainer change makes a new pair).
+KEEP_TORCH = 3
 
 CHROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEBOOTSTRAP_TIMEOUT = 1800.0
@@ -110,7 +112,10 @@ def cached(cache: Path, name: str, build: Callable[[Path], None], *,
         if final.exists():      # another process built it while we waited
             return final
         for stale in cache.glob(f".{name}.tmp-*"):
+            # We hold the lock, so its builder is dead; debootstrap mounts /proc and /sys in
+            # its target while it works, and a killed one leaves them mounted.
             progress(f"removing {stale.name} (left by a killed build)")
+            _unmount_under(stale)
             _remove(stale)
         tmp = cache / f".{name}.tmp-{os.getpid()}"
         try:
@@ -152,6 +157,15 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+def _unmount_under(path: Path) -> None:
+    """Unmount what a dead build left mounted below `path` (deepest first; lazily only when a
+    plain unmount is refused: these are /proc, /sys and the like of a throwaway root)."""
+    for mp in sorted(mounts_under(path), key=lambda m: m.count("/"), reverse=True):
+        res = subp.run(["umount", mp], timeout=60, check=False)
+        if res.returncode != 0:
+            subp.run(["umount", "-l", mp], timeout=60, check=False)
 
 
 def mounts_under(path: Path) -> list[str]:
@@ -341,6 +355,7 @@ def torch_root(*, suite: str = DEFAULT_SUITE, cache: Path | None = None,
     key = torch_key(suite=suite, sources=sources)
     name = f"torch-root-{suite}-{key}"
     if (cache / name).exists():
+        os.utime(cache / name)   # used: `prune` keeps the entries used last
         return cache / name
     base = base_root(TORCH_DEBS, suite=suite, cache=cache, progress=progress)
     python = _root_python(base)
@@ -401,10 +416,40 @@ def torch_image(*, suite: str = DEFAULT_SUITE, cache: Path | None = None,
     cache = cache_dir(cache)
     key = torch_key(suite=suite)
     name = f"torch-{suite}-{key}.img"
-    if (cache / name).exists():
-        return cache / name
-    root = torch_root(suite=suite, cache=cache, progress=progress)
-    return fs_image(root, name, cache=cache, progress=progress)
+    image = cache / name
+    if not image.exists():
+        root = torch_root(suite=suite, cache=cache, progress=progress)
+        image = fs_image(root, name, cache=cache, progress=progress)
+        os.utime(root)
+    os.utime(image)
+    # Every change to spottrainer makes a new root and image (2.5 GB together): keep the ones
+    # used last, so a machine where the trainer is being worked on does not fill up.
+    prune(cache, f"torch-{suite}-", keep=KEEP_TORCH, progress=progress)
+    prune(cache, f"torch-root-{suite}-", keep=KEEP_TORCH, progress=progress)
+    return image
+
+
+def prune(cache: Path, prefix: str, *, keep: int, progress: Progress = _stderr) -> list[str]:
+    """Remove all but the `keep` most recently used entries named `prefix...` (use = mtime,
+    touched by their getters). An entry being built or used under its lock is skipped."""
+    (cache / ".locks").mkdir(parents=True, exist_ok=True)
+    entries = sorted((p for p in cache.glob(f"{prefix}*") if not p.name.startswith(".")),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = []
+    for old in entries[keep:]:
+        lock = cache / ".locks" / f"{old.name}.lock"
+        with open(lock, "a+b") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            try:
+                progress(f"removing {old.name} (not used lately; keeping {keep})")
+                _remove(old)
+                removed.append(old.name)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    return removed
 
 
 def fs_image(root: Path, name: str, *, cache: Path | None = None, headroom: float = HEADROOM,
