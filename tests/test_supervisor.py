@@ -187,8 +187,8 @@ def test_trainer_outlives_its_output_reader_so_a_restarted_agent_can_stop_it(
     finally:
         proc.kill()
         proc.wait(timeout=10)
-        with contextlib.suppress(NameError, ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError):   # never leave the trainer behind
+            os.killpg(int((tmp_path / "pid").read_text()), signal.SIGKILL)
 
 
 def test_exit_zero_is_complete_and_never_restarted(tmp_path: Path) -> None:
