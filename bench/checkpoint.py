@@ -1,6 +1,6 @@
 """Checkpoint benchmark: stall, write and read bandwidth, GIL contention, training overhead.
 
-    .venv/bin/python bench/checkpoint.py [--size-gib 1] [--dir DIR] [--interval 6]
+    .venv/bin/python bench/checkpoint.py [--size-gib 1] [--dir DIR] [--interval 10]
                                          [--skip-io | --skip-throughput]
 
 Every figure is a ratio against a baseline measured in the same run on the same disk (these
@@ -410,7 +410,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--torch-save-repeats", type=int, default=2)
     p.add_argument("--gil-seconds", type=float, default=1.0)
-    p.add_argument("--interval", type=float, default=6.0, help="checkpoint interval (s) for 5")
+    p.add_argument("--interval", type=float, default=10.0, help="checkpoint interval (s) for 5")
     p.add_argument("--blocks", type=int, default=5, help="block pairs for 5")
     p.add_argument("--batch-size", type=int, default=16, help="ResNet batch for 5")
     p.add_argument("--mlp-batch", type=int, default=64, help="MLP batch for 1")
