@@ -10,7 +10,7 @@ APT_PACKAGES := python3 python3-venv python3-pip make util-linux e2fsprogs xfspr
 	openssh-client
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint typecheck unit test-slow demo bench clean
+.PHONY: setup test lint typecheck unit test-slow wheelhouse demo bench clean
 
 setup: $(STAMP)
 
@@ -39,8 +39,16 @@ unit: setup
 
 test: lint typecheck unit
 
+# The real-systemd tier (docs/systemd-tier.md): packer build -only=null.local into a booted
+# systemd-nspawn container, then the unit under systemd as PID 1. Caches its debootstrapped root
+# and the provisioned image under $${SPOTAGENT_CACHE:-/var/cache/spotagent}.
 test-slow: setup
-	$(PY) -m pytest -m slow tests
+	$(PY) -m pytest -q -m slow tests/slow
+
+# spotagent and its agent dependencies as wheels, for packer/scripts/install.sh (--no-index).
+wheelhouse: setup
+	rm -rf build/wheelhouse
+	$(PY) -m pip wheel -q --disable-pip-version-check --wheel-dir build/wheelhouse ".[agent]"
 
 demo: setup
 	$(PY) -m spotagent demo

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = "packer/spotagent.pkr.hcl"
@@ -49,3 +52,22 @@ def test_provisioning_script_is_valid_sh() -> None:
     proc = subprocess.run(["sh", "-n", str(REPO / "packer/scripts/install.sh")],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root branch needs root")
+def test_the_install_script_runs_as_root_without_sudo(tmp_path: Path) -> None:
+    """The shell provisioner's execute_command, as Packer renders it, when logged in as root
+    (the null source in CI; minimal images have no sudo)."""
+    text = (REPO / TEMPLATE).read_text()
+    line = next(ln for ln in text.splitlines() if "execute_command" in ln)
+    template = line.split("=", 1)[1].strip()[1:-1].replace('\\"', '"')
+    script = tmp_path / "script.sh"
+    out = tmp_path / "out"
+    script.write_text(f'#!/bin/sh\necho "$(id -u) $PACKER_BUILD_NAME" > {out}\n')
+    command = (template.replace("{{ .Path }}", str(script))
+               .replace("{{ .Vars }}", "PACKER_BUILD_NAME='local'"))
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}  # no sudo needed on this path
+    proc = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=30,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == "0 local\n"

@@ -134,7 +134,10 @@ class Machine:
         props = self.wait_unit(lambda p: p["ActiveState"] == "active", "ActiveState",
                                "ActiveEnterTimestampMonotonic", timeout=timeout,
                                what="READY=1 (unit active)")
-        return self.box.monotonic_of(props["ActiveEnterTimestampMonotonic"]) - self.box.started_at
+        ready = (self.box.monotonic_of(props["ActiveEnterTimestampMonotonic"])
+                 - self.box.started_at)
+        record("container start -> unit READY", ready)
+        return ready
 
     def volume(self) -> dict[str, Any]:
         assert self.volume_id is not None

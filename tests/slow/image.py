@@ -3,17 +3,18 @@
 Recipe (what an AMI build does on AWS, with a local machine in place of the EC2 builder):
 
 1. the wheelhouse: `pip wheel .[agent]` (the same command as `make wheelhouse`);
-2. a cached debootstrapped Debian root (`baseroot.base_root`) booted under systemd-nspawn
-   through an overlay, with sshd on a free port of 127.0.0.1 and a generated key;
+2. the cached debootstrapped Debian root (`spotagent.testbed.images.base_root`) booted under
+   systemd-nspawn through an overlay, with sshd on a free port of 127.0.0.1 and a generated key;
 3. `packer build -only=null.local packer/spotagent.pkr.hcl`: the template's file uploads and
    packer/scripts/install.sh over SSH, exactly as the amazon-ebs source runs them;
 4. a clean poweroff; the overlay's upper directory, minus the SSH access made for Packer, is
    the provisioned layer. Base root + layer is the image the systemd tier boots.
 
-The layer is cached under `$SPOTAGENT_CACHE/images/` keyed by the base root, the content of
-every wheel, the provisioning inputs (template, install.sh, unit, config, IAM policy) and this
-recipe; `SPOTAGENT_SLOW_REBUILD=1` forces a fresh `packer build`. Packer's output is kept next
-to the layer (and is what marks the layer complete).
+The result is cached as `$SPOTAGENT_CACHE/spotagent-image-<key>/{layer,packer.log}` (the
+testbed's cache: built under a temporary name and a lock, renamed into place when complete),
+keyed by the base root, the content of every wheel, the provisioning inputs (template,
+install.sh, unit, config, IAM policy) and this recipe. `SPOTAGENT_SLOW_REBUILD=1` forces a fresh
+`packer build`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import baseroot
 import nspawn
+
+from spotagent.testbed import images
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = "packer/spotagent.pkr.hcl"
@@ -91,27 +93,27 @@ def _file_digest(path: Path) -> str:
 
 
 def image_key(base: Path, wheelhouse: Path) -> str:
-    return baseroot.key_of(RECIPE, base.name, wheelhouse_digest(wheelhouse),
-                           *(_file_digest(REPO / p) for p in PROVISION_INPUTS))
+    return images.cache_key({
+        "what": "spotagent-image", "recipe": RECIPE, "base": base.name,
+        "wheels": wheelhouse_digest(wheelhouse),
+        "inputs": {p: _file_digest(REPO / p) for p in PROVISION_INPUTS}})
 
 
 def provisioned_image(wheelhouse: Path, workdir: Path) -> Image:
     """The cached image for this wheelhouse and these provisioning files; built on a miss."""
     start = time.monotonic()
-    base = baseroot.base_root(BASE_PACKAGES)
+    base = images.base_root(BASE_PACKAGES)
     key = image_key(base, wheelhouse)
-    images = baseroot.cache_root() / "images"
-    layer = images / f"spotagent-{key}"
-    log = images / f"spotagent-{key}.packer.log"
-    with baseroot.locked(images / ".lock"):
-        fresh = os.environ.get("SPOTAGENT_SLOW_REBUILD") == "1"
-        if fresh or not (layer.is_dir() and log.is_file()):
-            if layer.is_dir():
-                shutil.rmtree(layer)
-            log.unlink(missing_ok=True)
-            _build(base, wheelhouse, layer, log, workdir)
-            return Image(base, layer, log, key, True, time.monotonic() - start)
-    return Image(base, layer, log, key, False, time.monotonic() - start)
+    cache = images.cache_dir()
+    name = f"spotagent-image-{key}"
+    if os.environ.get("SPOTAGENT_SLOW_REBUILD") == "1" and (cache / name).exists():
+        doomed = cache / f".{name}.old-{os.getpid()}"
+        (cache / name).rename(doomed)
+        shutil.rmtree(doomed)
+    built = not (cache / name).exists()
+    entry = images.cached(cache, name, lambda tmp: _build(base, wheelhouse, tmp, workdir))
+    return Image(base, entry / "layer", entry / "packer.log", key, built,
+                 time.monotonic() - start)
 
 
 def ssh_key(directory: Path) -> Path:
@@ -123,27 +125,23 @@ def ssh_key(directory: Path) -> Path:
     return key
 
 
-def _build(base: Path, wheelhouse: Path, layer: Path, log: Path, workdir: Path) -> None:
-    build = layer.parent / f".build-{layer.name}-{os.getpid()}"
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
-    try:
-        key = ssh_key(workdir / "packer-ssh")
-        port = nspawn.free_port()
-        with nspawn.overlay([base], build) as root:
-            _give_packer_ssh(root, key, port)
-            with nspawn.boot(root, machine=f"spotagent-packer-{os.getpid()}",
-                             log_path=workdir / "packer-console.log") as box:
-                nspawn.wait_for_port(port, 120, alive=box.proc)
-                text = _packer_build(wheelhouse, key, port)
-                box.wait_booted(60)
-            _take_packer_ssh_away(root)
-        (build / "upper").rename(layer)
-        tmp = log.with_name(log.name + ".tmp")
-        tmp.write_text(text)
-        tmp.rename(log)
-    finally:
-        shutil.rmtree(build, ignore_errors=True)
+def _build(base: Path, wheelhouse: Path, entry: Path, workdir: Path) -> None:
+    """Into `entry` (a fresh directory): `layer/` (the overlay's upper dir) and packer.log."""
+    entry.mkdir()
+    key = ssh_key(workdir / "packer-ssh")
+    port = nspawn.free_port()
+    with nspawn.overlay([base], entry) as root:
+        _give_packer_ssh(root, key, port)
+        with nspawn.boot(root, machine=f"spotagent-packer-{os.getpid()}",
+                         log_path=workdir / "packer-console.log") as box:
+            nspawn.wait_for_port(port, 120, alive=box.proc)
+            text = _packer_build(wheelhouse, key, port)
+            box.wait_booted(60)
+        _take_packer_ssh_away(root)
+    (entry / "upper").rename(entry / "layer")
+    shutil.rmtree(entry / "work")
+    (entry / "merged").rmdir()
+    (entry / "packer.log").write_text(text)
 
 
 def _give_packer_ssh(root: Path, key: Path, port: int) -> None:

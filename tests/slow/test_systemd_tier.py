@@ -44,7 +44,6 @@ def test_unit_is_active_running_and_its_status_line_shows_the_step(boot_instance
     m = boot_instance()
     ready = m.wait_ready()
     booted = m.box.wait_booted()
-    record("container start -> unit READY", ready)
     unit = m.unit("ExecMainStartTimestampMonotonic", "ActiveEnterTimestampMonotonic")
     agent_start = m.box.monotonic_of(unit["ExecMainStartTimestampMonotonic"]) - m.box.started_at
     record("container start -> agent exec", agent_start)
