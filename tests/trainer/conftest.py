@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -89,18 +90,30 @@ class Run:
     _thread: threading.Thread = field(init=False)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def start_train(ckpt: Path, args: list[str], *, control: Path | None = None,
-                new_session: bool = False, restart_count: int = 0) -> Run:
+                new_session: bool = False, restart_count: int = 0, nproc: int = 1) -> Run:
+    """`python -m spottrainer.train` (or under torchrun with `nproc` > 1 workers)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTAGENT_")}
     env["SPOTAGENT_CHECKPOINT_DIR"] = str(ckpt)
     env["SPOTAGENT_RUN_ID"] = "test-run"
     env["SPOTAGENT_RESTART_COUNT"] = str(restart_count)
     if control is not None:
         env["SPOTAGENT_CONTROL_DIR"] = str(control)
+    launcher = [sys.executable, "-m"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                    str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+                    str(free_port()), "-m"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "spottrainer.train", *TINY, *args],
+        [*launcher, "spottrainer.train", *TINY, *args],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        start_new_session=new_session)
+        start_new_session=new_session or nproc > 1)  # fixture cleanup kills the group
     run = Run(proc)
     run._thread = threading.Thread(target=run._pump, daemon=True)
     run._thread.start()
