@@ -172,6 +172,7 @@ class Context:
     drain_deadline: datetime | None = None
     completed: bool = False              # the trainer exited 0 (job done)
     failure: str | None = None
+    release_error: str | None = None     # a release attempt failed and is being retried
 
 
 @dataclass(frozen=True)
@@ -327,10 +328,18 @@ def next_state(state: State, event: Event, ctx: Context) -> Transition:
             # The first failure is the cause the operator needs; a later one (a release that
             # fails after it) is added, not swapped in.
             new = _ctx(ctx, failure=f"{ctx.failure}; then {reason}" if ctx.failure else reason)
+            if state is State.DRAINING and not (ctx.failure or ctx.release_error):
+                # The drain's own release (or drain) failed, say a device still busy for a
+                # moment: one more try. If that one succeeds the drain ends as it would have.
+                return Transition(State.DRAINING, (Action(Act.KILL), Action(Act.RELEASE)),
+                                  cause, context=_ctx(ctx, release_error=reason))
+            if state is State.DRAINING:
+                # Release failed after a failure, or twice: nothing more this process can do
+                # safely (systemd restarts the agent, which re-uses the attached volume).
+                if not ctx.failure and ctx.release_error:
+                    new = _ctx(ctx, failure=f"{ctx.release_error}; then {reason}")
+                return Transition(State.FAILED, (Action(Act.EXIT),), cause, context=new)
             if state in HOLDS_VOLUME:
-                if state is State.DRAINING and ctx.failure:
-                    # Release itself failed: nothing more this process can do safely.
-                    return Transition(State.FAILED, (Action(Act.EXIT),), cause, context=new)
                 acts = (Action(Act.KILL), Action(Act.RELEASE))
                 return Transition(State.DRAINING, acts, cause, context=new)
             return Transition(State.FAILED, (Action(Act.EXIT),), cause, context=new)

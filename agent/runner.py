@@ -56,8 +56,10 @@ from spotagent.volumes import Pool, PoolEmptyError, next_backoff
 
 log = get_logger("runner")
 
-# Longest wait for a device unmounted here but still in use elsewhere, before the detach.
+# Wait for a device unmounted here but still in use elsewhere, before the detach: at most
+# DETACH_WAIT, at least DETACH_WAIT_MIN seconds (see Runner._wait_detachable).
 DETACH_WAIT = 30.0
+DETACH_WAIT_MIN = 5.0
 
 
 def kernel_boot_time() -> datetime:
@@ -587,18 +589,30 @@ class Runner:
     def _wait_detachable(self, dev: str | None, deadline: datetime | None) -> None:
         """Unmounted here, but the device may still be in use elsewhere: a mount namespace
         that copied the volume's mount (a container or `unshare` started while it was
-        mounted), or a holder on its way out. Wait for that to end within what is left of the
-        deadline (at most DETACH_WAIT seconds); the pool's own guard refuses the detach if it
-        does not."""
-        if not _still_in_use(dev, quiet=True):
+        mounted), or a holder on its way out. Wait for that to end, for at most DETACH_WAIT
+        seconds and no longer than the release may take (the drain deadline plus the release
+        margin kept for unmount and detach), but at least DETACH_WAIT_MIN; the pool's own
+        guard refuses the detach if it does not end."""
+        why = _busy(dev)
+        if why is None:
             return
-        limit = min(DETACH_WAIT, self._grace(deadline))
-        end = time.monotonic() + limit
-        log.warning("detach_waiting", device=dev, volume_id=self.volume_id, limit=limit)
+        until = deadline or self.ctx.drain_deadline
+        window = DETACH_WAIT
+        if until is not None:
+            left = (until - _utcnow()).total_seconds() + float(self.ctx.release_margin)
+            window = min(DETACH_WAIT, max(DETACH_WAIT_MIN, left))
+        end = time.monotonic() + window
+        log.warning("detach_waiting", device=dev, volume_id=self.volume_id, reason=why,
+                    limit=round(window, 1), opened_by=_openers(dev))
+        started = time.monotonic()
         while time.monotonic() < end:
             time.sleep(0.25)
-            if not _still_in_use(dev, quiet=True):
+            if _busy(dev) is None:
+                log.info("detach_wait_over", device=dev, volume_id=self.volume_id,
+                         waited=round(time.monotonic() - started, 2))
                 return
+        log.error("detach_still_busy", device=dev, volume_id=self.volume_id, reason=_busy(dev),
+                  opened_by=_openers(dev))
 
     def _grace(self, deadline: datetime | None = None) -> float:
         """Seconds a stray trainer gets to checkpoint: what is left of the drain deadline,
@@ -704,17 +718,45 @@ def _committed_step_from_progress(path: Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _still_in_use(device: str | None, *, quiet: bool = False) -> bool:
-    """The guard the pool checks right before DetachVolume: never detach a mounted device."""
+def _busy(device: str | None) -> str | None:
+    """Why the device may not be detached yet (mounted in some namespace, held, opened
+    exclusively), or None."""
     if not device or not Path(device).exists():
-        return False
+        return None
     try:
         mounts.assert_detachable(Path(device))
     except SpotagentError as exc:
-        if not quiet:
-            log.error("detach_refused", device=device, error=str(exc))
-        return True
-    return False
+        return str(exc)
+    return None
+
+
+def _still_in_use(device: str | None) -> bool:
+    """The guard the pool checks right before DetachVolume: never detach a mounted device."""
+    why = _busy(device)
+    if why is not None:
+        log.error("detach_refused", device=device, error=why)
+    return why is not None
+
+
+def _openers(device: str | None) -> list[str]:
+    """Processes with the device itself open (for the log: who keeps a detach waiting)."""
+    if not device:
+        return []
+    target = os.path.realpath(device)
+    found = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            fds = os.listdir(f"/proc/{p.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p.pid}/fd/{fd}") == target:
+                    found.append(f"{p.pid}({p.info['name']})")
+                    break
+            except OSError:
+                continue
+    return found
 
 
 def _utcnow() -> datetime:

@@ -225,6 +225,20 @@ def test_failure_while_holding_a_volume_releases_it_first() -> None:
     assert t3.context.failure == "no root file system on the volume; then detach timed out"
 
 
+def test_a_drain_whose_release_fails_once_retries_and_still_ends_released() -> None:
+    draining = replace(CTX, drain_deadline=NOW)
+    t = next_state(State.DRAINING, Failed("release: device busy"), draining)
+    assert (t.state, acts(t)) == (State.DRAINING, [Act.KILL, Act.RELEASE])
+    assert t.context is not None and t.context.failure is None
+    ok = next_state(State.DRAINING, Released(), t.context)
+    assert (ok.state, acts(ok)) == (State.RELEASED, [Act.EXIT])
+    # Twice is a failure, naming both attempts.
+    again = next_state(State.DRAINING, Failed("release: device busy"), t.context)
+    assert (again.state, acts(again)) == (State.FAILED, [Act.EXIT])
+    assert again.context is not None
+    assert again.context.failure == "release: device busy; then release: device busy"
+
+
 def test_terminal_states_ignore_everything() -> None:
     for st in (State.RELEASED, State.COMPLETED, State.FAILED):
         for ev in (Boot(), spot(), StopRequested(requested_at=NOW), Released()):
