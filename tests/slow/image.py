@@ -41,8 +41,11 @@ PROVISION_INPUTS = (TEMPLATE, "packer/scripts/install.sh", "packer/files/config.
 RECIPE = "1"
 # What the agent needs on the image (and what the AMI's base has): systemd as init, a Python
 # with venv, the mount/loop/blkid/fsck tools, sshd for Packer's communicator.
+# The kernel (Debian's cloud flavour, with its initrd) is for the QEMU tests; containers ignore it.
 BASE_PACKAGES = ("systemd-sysv", "dbus", "openssh-server", "python3", "python3-venv",
-                 "util-linux", "mount", "e2fsprogs", "xfsprogs", "busybox-static", "procps")
+                 "util-linux", "mount", "e2fsprogs", "xfsprogs", "busybox-static", "procps",
+                 "linux-image-cloud-amd64")
+KEEP_IMAGES = 3
 PACKER_TIMEOUT = 900
 SSHD_DROPIN = "etc/ssh/sshd_config.d/spotagent-packer.conf"
 
@@ -112,6 +115,9 @@ def provisioned_image(wheelhouse: Path, workdir: Path) -> Image:
         shutil.rmtree(doomed)
     built = not (cache / name).exists()
     entry = images.cached(cache, name, lambda tmp: _build(base, wheelhouse, tmp, workdir))
+    os.utime(entry)
+    # Every change to the agent is a new image (~75 MB): keep the ones used last.
+    images.prune(cache, "spotagent-image-", keep=KEEP_IMAGES)
     return Image(base, entry / "layer", entry / "packer.log", key, built,
                  time.monotonic() - start)
 
