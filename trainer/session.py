@@ -65,6 +65,7 @@ class Session:
         progress_interval_s: float = 1.0,
         pinned: bool | None = None,
         defer_copy: bool = True,
+        flags: SignalFlags | None = None,
         dist: Dist | None = None,
     ) -> None:
         self.state = state
@@ -75,9 +76,12 @@ class Session:
         self.run_id = run_id
         self.restart_count = restart_count
         self.margin_s = deadline_margin_s
-        self.flags = SignalFlags()
-        if install_signal_handlers:
-            self.flags.install()
+        if flags is not None:  # handlers installed by the caller (e.g. before a slow start-up)
+            self.flags = flags
+        else:
+            self.flags = SignalFlags()
+            if install_signal_handlers:
+                self.flags.install()
         self.deadline = DeadlineWatcher(Path(control_dir) if control_dir else None)
         self.saver: AsyncCheckpointer | None = None
         self.progress: ProgressWriter | None = None

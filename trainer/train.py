@@ -20,7 +20,6 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -32,7 +31,7 @@ from ._log import JsonLineFormatter, event
 from .data import ResumableSampler, iterate, worker_init_fn
 from .datasets import ImageFolder, SyntheticImages
 from .errors import SpottrainerError
-from .protocol import EXIT_FAILURE
+from .protocol import EXIT_FAILURE, SignalFlags
 from .resnet import ResNet
 from .session import Session
 from .state import TrainState
@@ -111,7 +110,7 @@ def build_dataset(args: argparse.Namespace) -> Dataset[tuple[torch.Tensor, int]]
     return ImageFolder(Path(args.data), image_size=args.image_size)
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: argparse.Namespace, flags: SignalFlags) -> int:
     rank, world, device = setup_distributed()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -137,7 +136,7 @@ def train(args: argparse.Namespace) -> int:
                        sampler=sampler)
     session = Session.from_env(state, checkpoint_dir=args.checkpoint_dir, keep=args.keep,
                                every_steps=args.checkpoint_every_steps,
-                               every_seconds=args.checkpoint_every_seconds)
+                               every_seconds=args.checkpoint_every_seconds, flags=flags)
     start = session.restore()
     event(logging.INFO, "train_start", step=start, steps=args.steps, rank=rank, world=world,
           device=str(device), params=sum(p.numel() for p in model.parameters()))
@@ -176,18 +175,18 @@ def train(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Handlers first: a SIGTERM while the model or the data set is being built is then honoured
+    # at the first step boundary instead of killing the process.
+    flags = SignalFlags()
+    flags.install()
     configure_logging()
     args = parse_args(argv)
     try:
-        return train(args)
+        return train(args, flags)
     except SpottrainerError as err:
         event(logging.ERROR, "train_failed", problem=str(err))
         return EXIT_FAILURE
 
 
-def _entry() -> Any:
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    _entry()
+    sys.exit(main())
