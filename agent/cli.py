@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from spotagent import agent_cli, demo, log, pool_cli, testbed_cli
 from spotagent import config as configmod
+from spotagent import log
 from spotagent.errors import ConfigError, SpotagentError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -68,7 +69,10 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `spotagent` parser. With `command` (the first argument), only the module of that
+    command is imported and registered: `spotagent run` does not pay for the operator's, the
+    testbed's or the demo's imports. Without one (`--help`, a typo), every command is there."""
     parser = argparse.ArgumentParser(
         prog="spotagent",
         description="Dependable deep-learning training on EC2 Spot from a pool of warm volumes.")
@@ -89,23 +93,33 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(handler=cmd_config_check)
 
-    for register in _EXTENSIONS:
-        register(sub)
+    if command == "config":
+        return parser
+    wanted = [_COMMANDS[command]] if command in _COMMANDS else list(
+        dict.fromkeys(_COMMANDS.values()))
+    for module in wanted:
+        importlib.import_module(module).register(sub)
     return parser
 
 
-# Other modules add their sub-commands here (pool, run, status, drain, release, testbed, demo).
-_EXTENSIONS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
-    agent_cli.register,
-    pool_cli.register,
-    testbed_cli.register,
-    demo.register,
-]
+# The commands other modules add (each module's `register(sub)` adds all of its own), in the
+# order of the help. A module is imported only when one of its commands runs.
+_COMMANDS: dict[str, str] = {
+    "run": "spotagent.agent_cli",
+    "status": "spotagent.agent_cli",
+    "drain": "spotagent.agent_cli",
+    "release": "spotagent.agent_cli",
+    "pool": "spotagent.pool_cli",
+    "testbed": "spotagent.testbed_cli",
+    "demo": "spotagent.demo",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = args_list[0] if args_list and not args_list[0].startswith("-") else None
+    parser = build_parser(command)
+    args = parser.parse_args(args_list)
     log.configure()
     handler: Handler = args.handler
     try:
