@@ -3,17 +3,21 @@
 Wiring only: arguments in, `spotagent.volumes` calls, one line per volume (or per AZ) out, JSON
 lines with `--json`. EC2 failures surface as `Ec2Error` (one line naming the operation and the
 AWS error code, exit 1) through `spotagent.cli.main`; bad arguments exit 2 (argparse).
+
+These commands run on a workstation, briefly: their client uses botocore's full EC2 model
+(`model="full"`; the trimmed model is the long-running agent's), so they write no cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import boto3
+import botocore.session
 
 from spotagent import config as configmod
 from spotagent import ec2, volumes
@@ -82,7 +86,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `pool` command group to the `spotagent` parser."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--region", default=None,
-                        help="AWS region (default: AWS_REGION / the profile's region)")
+                        help="AWS region (default: AWS_REGION, AWS_DEFAULT_REGION, the profile's)")
     common.add_argument("--endpoint-url", default=None, metavar="URL",
                         help="EC2 endpoint (emulators, VPC endpoints)")
     common.add_argument("--max-attempts", type=_checked("aws", "max_attempts", integer=True),
@@ -143,13 +147,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _client(args: argparse.Namespace) -> EC2Client:
-    region = args.region or boto3.session.Session().region_name
+    # AWS_REGION as the help promises (botocore itself reads only AWS_DEFAULT_REGION and the
+    # profile, as boto3's Session().region_name did here before).
+    region = (args.region or os.environ.get("AWS_REGION")
+              or botocore.session.get_session().get_config_variable("region"))
     if not region:
         raise UsageError("no AWS region: pass --region or set AWS_REGION")
     return ec2.client(region=region, endpoint_url=args.endpoint_url,
                       connect_timeout=_AWS_DEFAULTS["connect_timeout"].default,
                       read_timeout=_AWS_DEFAULTS["read_timeout"].default,
-                      max_attempts=args.max_attempts)
+                      max_attempts=args.max_attempts, model="full")
 
 
 def cmd_create(args: argparse.Namespace) -> int:

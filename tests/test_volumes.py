@@ -96,7 +96,9 @@ class Env:
 def env(server: StrictEc2Server) -> Iterator[Env]:
     server.reset()
     server.set_delays(0.0, 0.0)
-    yield Env(server, ec2.client(region=REGION, endpoint_url=server.endpoint_url))
+    # The set-up client (run_instances, register_image, ...) needs botocore's full model; every
+    # pool of the tests gets the agent's default client, on the trimmed model.
+    yield Env(server, ec2.client(region=REGION, endpoint_url=server.endpoint_url, model="full"))
     server.set_delays(0.0, 0.0)
 
 
