@@ -16,6 +16,9 @@ request is remembered (several collapse into one) and served by `poll()` at the 
 boundary after the in-flight save has finished, with the state of that step. `save(..., wait=True)`
 waits for the in-flight save to finish first (used for the final / SIGTERM save).
 
+Background saves (`wait=False`) write at a raised nice value (`background_nice`, default +10) so
+that on a machine without an idle core the writer yields CPU to the training thread.
+
 Deadline: before every chunk the writer reads `deadline()` (unix seconds or None). If the save
 cannot finish by `deadline - margin` at the bandwidth seen so far, it is abandoned: the temp
 directory is removed and the previous checkpoint stays the latest. It is also abandoned if the
@@ -24,8 +27,10 @@ deadline has passed when it is ready to rename.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +74,18 @@ DeadlineFn = Callable[[], float | None]
 DeferFn = Callable[[torch.Tensor], bool]  # True: copy this source on the writer thread
 
 
+def _lower_thread_priority(nice: int) -> None:
+    """Raise this thread's nice value (Linux: per thread; the CRC helper inherits it), so a
+    background save takes idle CPU rather than the training thread's. The deferred copy runs
+    before this (the training thread may be waiting for it); SIGTERM / final saves are not
+    lowered (the training thread waits for them)."""
+    if nice <= 0:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
 class AsyncCheckpointer:
     """Owns the host buffer and the writer thread of one checkpoint store."""
 
@@ -82,8 +99,10 @@ class AsyncCheckpointer:
         pinned: bool | None = None,
         run_id: str | None = None,
         restart_count: int | None = None,
+        background_nice: int = 10,
     ) -> None:
         self.store = store
+        self.background_nice = background_nice
         self.deadline = deadline or (lambda: None)
         self.margin_s = margin_s
         self.rate_limit = rate_limit
@@ -139,7 +158,7 @@ class AsyncCheckpointer:
                 return Request.COALESCED
             self.wait()
         self._pending = False
-        self._start(step, capture, extra, defer)
+        self._start(step, capture, extra, defer, background=not wait)
         return Request.STARTED
 
     def poll(self, step: int, capture: Callable[[], Any], extra: dict[str, Any] | None = None,
@@ -181,7 +200,7 @@ class AsyncCheckpointer:
     # ---- internals ---------------------------------------------------------------------------
 
     def _start(self, step: int, capture: Callable[[], Any], extra: dict[str, Any] | None,
-               defer: DeferFn | None) -> None:
+               defer: DeferFn | None, background: bool = True) -> None:
         self.wait()  # a buffer preparation may still run
         t0 = time.perf_counter()
         encoded = codec.encode(capture())
@@ -195,7 +214,8 @@ class AsyncCheckpointer:
         self.blocked_seconds += stall
         self._cancel.clear()
         self._thread = threading.Thread(
-            target=self._write, args=(step, encoded, deferred, buf, data, stall, extra),
+            target=self._write,
+            args=(step, encoded, deferred, buf, data, stall, extra, background),
             name=f"spottrainer-save-{step}", daemon=True)
         self._thread.start()
 
@@ -224,7 +244,7 @@ class AsyncCheckpointer:
             raise SaveAbandonedError("deadline passed before commit")
 
     def _write(self, step: int, encoded: codec.Encoded, deferred: list[int], buf: Any,
-               data: Any, stall: float, extra: dict[str, Any] | None) -> None:
+               data: Any, stall: float, extra: dict[str, Any] | None, background: bool) -> None:
         started = time.monotonic()
         nbytes = int(data.numel())
         status, path = SaveStatus.FAILED, None
@@ -238,6 +258,8 @@ class AsyncCheckpointer:
                     copy_s = time.perf_counter() - t0
             finally:
                 self._snapshot_done.set()  # never leave the training thread waiting
+            if background:
+                _lower_thread_priority(self.background_nice)
             skeleton, records = encoded.skeleton, encoded.records
             del encoded  # drop references to live tensors: only the copy is written
             path = self.store.write(
