@@ -6,7 +6,7 @@ and is wrapped in `translate("Operation")`, which turns botocore's exceptions in
 `Ec2Error` whose line names the operation and the AWS error code.
 
 The agent's clients (`model="agent"`, the default) are built on the trimmed EC2 model of
-`spotagent.ec2model` (the operations the agent calls, ~9 MB less memory than botocore's full
+`spotagent.ec2model` (the operations the agent calls: ~15 MB less memory than botocore's full
 model); when it is missing, a short-lived child process builds it, and when that fails the
 client falls back to the full model with a warning. `model="full"` (the operator's `spotagent
 pool`, test set-up) and `SPOTAGENT_EC2_MODEL=full` (an escape hatch) use botocore's full model.
