@@ -19,7 +19,8 @@ import pytest
 import qemu
 from conftest import MOUNT_POINT_IN_IMAGE, STATE_DIR_IN_IMAGE, record, write_dropin
 
-pytestmark = pytest.mark.slow
+# Generous bounds to catch hangs: a cold first test also debootstraps and runs packer build.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 BOOT_TIMEOUT = 600   # TCG: no KVM on these machines
 
@@ -85,6 +86,12 @@ def test_under_qemu_attach_hot_plugs_nvme_and_the_release_unplugs_it(
         status = vm.ssh("systemctl status spotagent --no-pager", check=False).stdout
         assert "Active: active (running)" in status, status
         assert re.search(rf'Status: "training, volume {vid}', status), status
+
+        # Unlike the containers, the guest enforces a unit's device policy (cgroup v2 BPF), so
+        # a unit change that takes block devices away from the agent would fail here.
+        probe = "systemd-run --wait --quiet {} head -c1 /dev/vda >/dev/null"
+        assert vm.ssh(probe.format(""), check=False).returncode == 0
+        assert vm.ssh(probe.format("-p DevicePolicy=closed"), check=False).returncode != 0
 
         noticed = time.monotonic()
         world.imds.fire_spot_action(inst.instance_id, "terminate")

@@ -18,7 +18,8 @@ import pytest
 from conftest import MOUNT_POINT_IN_IMAGE as MOUNT_POINT
 from conftest import Machine, record, status_line
 
-pytestmark = pytest.mark.slow
+# Generous bounds to catch hangs: a cold first test also debootstraps and runs packer build.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 def timespan(text: str) -> float:
     """A systemd time span as `systemctl show` prints it ("30s", "1min 30s", "500ms")."""
