@@ -40,9 +40,12 @@ unit: setup
 test: lint typecheck unit
 
 # The real-systemd tier (docs/systemd-tier.md): packer build -only=null.local into a booted
-# systemd-nspawn container, then the unit under systemd as PID 1. Caches its debootstrapped root
-# and the provisioned image under $${SPOTAGENT_CACHE:-/var/cache/spotagent}.
+# systemd-nspawn container, then the unit under systemd as PID 1 (containers, and one QEMU/TCG
+# guest with NVMe hot-plug). Caches its debootstrapped root and the provisioned image under
+# $${SPOTAGENT_CACHE:-/var/cache/spotagent}.
 test-slow: setup
+	@command -v qemu-system-x86_64 >/dev/null || { echo "test-slow: apt-get install qemu-system-x86"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-system-x86; }
 	$(PY) -m pytest -q -m slow tests/slow
 
 # spotagent and its agent dependencies as wheels, for packer/scripts/install.sh (--no-index).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from conftest import MOUNT_POINT_IN_IMAGE, STATE_DIR_IN_IMAGE, record, write_dro
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 BOOT_TIMEOUT = 600   # TCG: no KVM on these machines
+
+
+def _no_qemu() -> bool:
+    return shutil.which("qemu-system-x86_64") is None
 
 
 def wait_guest(vm: qemu.Vm, command: str, pred, *, timeout: float, what: str) -> str:
@@ -39,6 +44,7 @@ def wait_guest(vm: qemu.Vm, command: str, pred, *, timeout: float, what: str) ->
                                   check=False).stdout + vm.tail())
 
 
+@pytest.mark.skipif(_no_qemu(), reason="qemu-system-x86_64 missing (make test-slow installs it)")
 def test_under_qemu_attach_hot_plugs_nvme_and_the_release_unplugs_it(
         spotagent_image: imagemod.Image, tmp_path: Path) -> None:
     from agent_world import TRAINER_SETTINGS, busybox_image
