@@ -423,8 +423,12 @@ def main() -> int:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root = Path(tempfile.mkdtemp(prefix="spottrainer-bench-", dir=args.dir))
+    load = os.getloadavg()[0]
     say(f"bench/checkpoint.py  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-        f"cpus {os.cpu_count()}")
+        f"cpus {os.cpu_count()}  load average {load:.2f}")
+    if load > (os.cpu_count() or 1) / 2:
+        say("note: other processes are using this machine; CPU- and disk-bound figures vary "
+            "from run to run (compare medians and best-of, rerun on a quiet machine)")
     try:
         io = ({"stall": 0.0, "write": 1.0, "read": 1.0, "gil": 1.0} if args.skip_io
               else bench_io(args, root, device))
