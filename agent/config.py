@@ -476,6 +476,11 @@ def _cross_checks(values: Mapping[tuple[str, str], Any],
     if values[("pool", "snapshot_id")] and values[("pool", "from_ami")]:
         raise _fail(sources[("pool", "from_ami")], "pool.from_ami", values[("pool", "from_ami")],
                     "set either pool.snapshot_id or pool.from_ami, not both")
+    if (values[("pool", "on_empty")] == "create" and not values[("pool", "snapshot_id")]
+            and not values[("pool", "from_ami")]):
+        raise _fail(sources[("pool", "on_empty")], "pool.on_empty", "create",
+                    "needs pool.snapshot_id or pool.from_ami: an empty volume holds no "
+                    "environment to train in")
     rate = values[("pool", "init_rate_mib")]
     if rate and rate < 100:
         raise _fail(sources[("pool", "init_rate_mib")], "pool.init_rate_mib", rate,

@@ -203,8 +203,11 @@ def is_stale(notice: Notice, ctx: Context) -> bool:
 
 def _deadline_for(notice: Notice, ctx: Context) -> datetime:
     if notice.kind == "hibernate":
-        # No two-minute guarantee: checkpoint at once with what little time there is.
-        return notice.detected_at
+        # No two-minute guarantee: the drain starts at once (SIGTERM now) with a best-effort
+        # deadline. Killing the trainer at detection would lose the very checkpoint the notice
+        # asks for; if the instance hibernates first, memory is kept and the drain finishes when
+        # the instance resumes.
+        return notice.detected_at + timedelta(seconds=ctx.stop_deadline)
     return notice.notice_time - timedelta(seconds=ctx.release_margin)
 
 

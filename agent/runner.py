@@ -56,6 +56,9 @@ from spotagent.volumes import Pool, PoolEmptyError, next_backoff
 
 log = get_logger("runner")
 
+STATUS_EVERY = 1.0        # seconds: least time between two state-file writes without a transition
+STATUS_HEARTBEAT = 30.0   # seconds: rewrite an unchanged state file this often (fresh `updated`)
+
 # Wait for a device unmounted here but still in use elsewhere, before the detach: at most
 # DETACH_WAIT, at least DETACH_WAIT_MIN seconds (see Runner._wait_detachable).
 DETACH_WAIT = 30.0
@@ -116,6 +119,11 @@ class Runner:
         self._next_poll = 0.0
         self._progress_mtime = 0.0
         self._checkpoint_pending: str | None = None
+        self._last_status_snapshot = ""
+        # WATCHDOG=1 every half WatchdogSec (None: systemd wants no pings), not on every tick.
+        every = systemd.watchdog_interval()
+        self._watchdog_every: float | None = None if every is None else max(0.05, every)
+        self._next_watchdog = 0.0
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -236,7 +244,9 @@ class Runner:
                 and now >= self.deadline_mono and self._trainer_alive()):
             self.deadline_mono = None
             self.queue.append(lc.DeadlinePassed())
-        systemd.watchdog()
+        if self._watchdog_every is not None and now >= self._next_watchdog:
+            self._next_watchdog = now + self._watchdog_every
+            systemd.watchdog()
         self._write_status()
         if not self.queue:
             pause = 0.05 if self.state is lc.State.DRAINING else min(
@@ -624,15 +634,23 @@ class Runner:
         return max(1.0, min(cap, (until - _utcnow()).total_seconds()))
 
     def _write_status(self, *, force: bool = False) -> None:
+        """Persist the status: at once on a transition (`force`), otherwise at most every
+        STATUS_EVERY seconds and only when something changed (a heartbeat every
+        STATUS_HEARTBEAT keeps `updated` fresh). Most ticks write nothing."""
         now = time.monotonic()
-        if not force and now - self._last_status_write < 1.0:
+        if not force and now - self._last_status_write < STATUS_EVERY:
             return
-        self._last_status_write = now
         warm = getattr(self, "_warmup", None)
         if warm is not None:
             p = warm.progress
             self.status.warmup = ("done" if p.done else
                                   f"{100.0 * p.bytes_read / max(1, p.total_bytes):.0f}%")
+        snapshot = repr(self.status.to_json() | {"updated": None})
+        if (not force and snapshot == self._last_status_snapshot
+                and now - self._last_status_write < STATUS_HEARTBEAT):
+            return
+        self._last_status_write = now
+        self._last_status_snapshot = snapshot
         status.write(self.state_dir, self.status)
         line = self.status.summary()
         if line != self._last_summary:

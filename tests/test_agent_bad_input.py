@@ -105,25 +105,44 @@ def test_volume_with_an_empty_file_system_has_no_root(
         assert not agent.events("volume_formatting")   # data is never formatted
 
 
-def test_on_empty_create_makes_a_volume_that_has_no_root_and_is_released(
+def test_an_empty_volume_made_by_pool_create_is_formatted_once_then_refused_as_no_root(
         world: World) -> None:
-    inst = world.launch(pool="dl", settings=settings(
-        pool={"on_empty": "create", "size_gib": 1}))
+    # `spotagent pool create` without a source makes an empty, created-empty volume: the only
+    # kind the agent may format. It has no environment, so the agent fails cleanly after it.
+    from spotagent.volumes import Pool, VolumeSpec
+
+    volume = Pool(world.client, "dl").create(f"{world.region}a",
+                                             VolumeSpec(size_gib=1, init_rate_mib=None))
+    inst = world.launch(pool="dl", settings=settings())
     with running(inst) as agent:
         assert agent.wait_exit(60) == 1, agent.output()
-        created = agent.events("volume_created")
-        assert created, agent.output()
-        volume = created[0]["volume_id"]
         assert agent.events("volume_formatted")
         fails_cleanly(world, inst, volume, agent, "not a root file system")
     vol = world.volume(volume)
-    assert vol["AvailabilityZone"] == inst.availability_zone
-    assert vol["TagMap"]["spotagent:pool"] == "dl"
     # Formatted once; from now on it holds a file system and is never formatted again.
     assert "spotagent:created-empty" not in vol["TagMap"]
     probe = subp.run(["blkid", "-p", "-o", "value", "-s", "TYPE",
                       str(world.plane.image_path(volume))], timeout=30)
     assert probe.stdout.strip() == "ext4"
+
+
+def test_on_empty_create_makes_a_volume_from_the_pools_snapshot_in_this_az_and_trains(
+        world: World, image: Path) -> None:
+    snapshot = world.make_snapshot(image)
+    inst = world.launch("us-east-1b", pool="dl", settings=settings(
+        pool={"on_empty": "create", "snapshot_id": snapshot, "size_gib": 1}))
+    with running(inst) as agent:
+        st = agent.wait_for(lambda s: s.state == "training" and (s.step or 0) >= 2,
+                            what="training on a created volume")
+        created = agent.events("volume_created")
+        assert created and created[0]["volume_id"] == st.volume_id, agent.output()
+        vol = world.volume(st.volume_id or "")
+        assert vol["AvailabilityZone"] == "us-east-1b"
+        assert vol["TagMap"]["spotagent:pool"] == "dl"
+        assert vol["SnapshotId"] == snapshot
+        world.imds.fire_spot_action(inst.instance_id, "terminate")
+        assert agent.wait_exit(60) == 0, agent.output()
+    assert world.volume(st.volume_id or "")["State"] == "available"
 
 
 def _unwritable_checkpoints(root: Path) -> None:

@@ -147,14 +147,17 @@ def test_hibernate_notice_stops_the_trainer_at_once_and_releases(
         assert agent.wait_exit(60) == 0, agent.output()
         st = agent.status()
         assert st is not None and st.state == "released" and st.deadline is not None
-        # No two-minute guarantee for hibernation: the deadline is the moment of detection.
+        # No two-minute guarantee for hibernation: SIGTERM at once (not at a deadline), and a
+        # best-effort deadline of drain.stop_deadline from detection, so the trainer commits.
         notice = next(e for e in agent.events("interruption_notice") if "detected_at" in e)
         detected = datetime.fromisoformat(notice["detected_at"]).timestamp()
-        assert st.deadline <= detected + 0.001
+        assert st.deadline <= detected + 90 + 0.001
         sig = agent.events("trainer_signal")[0]
         assert sig["signal"] == "SIGTERM"
         signalled = datetime.fromisoformat(sig["timestamp"]).timestamp()
         assert signalled - detected < 5.0   # generous bound: "at once", not "at a deadline"
+        assert st.last_committed_step is not None and st.last_committed_step >= 3
+        assert not agent.events("trainer_killed")
     assert_released(world, inst, volume)
 
 

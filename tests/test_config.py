@@ -74,6 +74,8 @@ MALFORMED: list[tuple[str, str | None, str | bytes | None, list[str], list[str]]
      ["trainer.env", "reserved"]),
     ("snapshot-and-ami", GOOD + 'snapshot_id = "snap-0123456789abcdef0"\n'
      'from_ami = "ami-0123456789abcdef0"\n', None, [], ["pool.from_ami", "not both"]),
+    ("create-without-source", GOOD + 'on_empty = "create"\n', None, [],
+     ["pool.on_empty", "needs pool.snapshot_id or pool.from_ami"]),
     ("region-bad", GOOD + '[aws]\nregion = "Virginia"\n', None, [],
      ["aws.region", '"Virginia"', "AWS region"]),
     # user data
@@ -200,7 +202,8 @@ def test_user_data_gzip_and_mime_multipart() -> None:
         'Content-Type: multipart/mixed; boundary="XX"\nMIME-Version: 1.0\n\n'
         '--XX\nContent-Type: text/cloud-config; charset="us-ascii"\n\n#cloud-config\n'
         'packages: [htop]\n\n--XX\nContent-Type: text/x-spotagent; charset="us-ascii"\n\n'
-        '[pool]\nname = "mime"\non_empty = "create"\n\n--XX--\n'
+        '[pool]\nname = "mime"\non_empty = "create"\nsnapshot_id = "snap-0123456789abcdef0"\n'
+        '\n--XX--\n'
     )
     layer = config.parse_user_data(mime.encode())
     assert layer is not None
