@@ -17,7 +17,6 @@ import os
 import shutil
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -179,101 +178,25 @@ def write_file_streamed(
         os.close(fd)
 
 
-def _read_exact(fd: int, view: memoryview, path: Path) -> None:
-    while len(view):
-        n = os.readv(fd, [view])
-        if n == 0:
-            raise CorruptCheckpointError("file is truncated", path)
-        view = view[n:]
-
-
-def read_file_verified(
-    path: Path,
-    *,
-    size: int,
-    chunks: Sequence[int],
-    chunk_bytes: int,
-    sinks: Sequence[tuple[int, memoryview]] = (),
-) -> None:
-    """Read `path` sequentially into `sinks` and verify its size and per-chunk CRC-32s.
-
-    `sinks` are (file offset, writable buffer) pairs in increasing, non-overlapping order; bytes
-    between them are read into scratch memory (so `sinks=()` just verifies). Checksums of chunk i
-    run on a helper thread while chunk i+1 is read. Raises CorruptCheckpointError naming `path`.
-    """
+def read_file_verified(path: Path, *, size: int, chunks: Sequence[int],
+                       chunk_bytes: int) -> bytes:
+    """Read small file `path` whole and verify its size and per-chunk CRC-32s."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        data = path.read_bytes()
     except FileNotFoundError as err:
         raise CorruptCheckpointError("file is missing", path) from err
     except OSError as err:
-        raise CheckpointError(f"cannot open: {err.strerror}", path) from err
-    try:
-        actual = os.fstat(fd).st_size
-        if actual != size:
-            raise CorruptCheckpointError(f"size is {actual}, manifest says {size}", path)
-        expected_chunks = (size + chunk_bytes - 1) // chunk_bytes
-        if len(chunks) != expected_chunks:
-            raise CorruptCheckpointError(
-                f"manifest lists {len(chunks)} checksums, size needs {expected_chunks}", path)
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        segments: list[memoryview] = []
-        pos = 0
-        for offset, buf in sinks:
-            if offset < pos:
-                raise CheckpointError("overlapping read targets", path)
-            while pos < offset:
-                gap = min(offset - pos, chunk_bytes)
-                segments.append(memoryview(bytearray(gap)))
-                pos += gap
-            segments.append(buf)
-            pos += len(buf)
-        if pos > size:
-            raise CorruptCheckpointError(f"tensors need {pos} bytes, file has {size}", path)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="spottrainer-crc") as pool:
-            pending: deque[tuple[int, Future[int]]] = deque()
-            results: list[int] = []
-
-            def settle(limit: int) -> None:
-                while len(pending) > limit:
-                    index, fut = pending.popleft()
-                    crc = fut.result()
-                    if crc != chunks[index]:
-                        raise CorruptCheckpointError(f"checksum mismatch in chunk {index}", path)
-                    results.append(crc)
-
-            pieces: list[memoryview] = []
-            fill = 0
-            index = 0
-
-            def consume(view: memoryview) -> None:
-                nonlocal fill, index, pieces
-                while len(view):
-                    n = min(len(view), chunk_bytes - fill)
-                    part = view[:n]
-                    _read_exact(fd, part, path)
-                    pieces.append(part)
-                    fill += n
-                    view = view[n:]
-                    if fill == chunk_bytes:
-                        pending.append((index, pool.submit(crc32_pieces, pieces)))
-                        index += 1
-                        pieces, fill = [], 0
-                        settle(2)
-
-            for seg in segments:
-                consume(seg.cast("B") if seg.format != "B" else seg)
-            while pos < size:
-                gap = min(size - pos, chunk_bytes)
-                consume(memoryview(bytearray(gap)))
-                pos += gap
-            if fill:
-                pending.append((index, pool.submit(crc32_pieces, pieces)))
-            settle(0)
-    except OSError as err:
-        raise CheckpointError(f"read failed: {err.strerror}", path) from err
-    finally:
-        os.close(fd)
+        raise CheckpointError(f"cannot read: {err.strerror}", path) from err
+    if len(data) != size:
+        raise CorruptCheckpointError(f"size is {len(data)}, manifest says {size}", path)
+    got = checksum_bytes(data, chunk_bytes)
+    if len(got) != len(chunks):
+        raise CorruptCheckpointError(
+            f"manifest lists {len(chunks)} checksums, size needs {len(got)}", path)
+    for index, (have, want) in enumerate(zip(got, chunks, strict=True)):
+        if have != want:
+            raise CorruptCheckpointError(f"checksum mismatch in chunk {index}", path)
+    return data
 
 
 def map_file_verified(path: Path, *, size: int, chunks: Sequence[int],

@@ -150,10 +150,8 @@ class CheckpointStore:
         return manifest
 
     def _read_small(self, path: Path, entry: FileEntry, chunk_bytes: int) -> bytes:
-        buf = bytearray(entry.size)
-        fsio.read_file_verified(path, size=entry.size, chunks=entry.chunks,
-                                chunk_bytes=chunk_bytes, sinks=[(0, memoryview(buf))])
-        return bytes(buf)
+        return fsio.read_file_verified(path, size=entry.size, chunks=entry.chunks,
+                                       chunk_bytes=chunk_bytes)
 
     def load(self, path: Path) -> Loaded:
         """Read and verify the checkpoint at `path`.
