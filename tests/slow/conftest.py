@@ -136,7 +136,8 @@ class Machine:
                                what="READY=1 (unit active)")
         ready = (self.box.monotonic_of(props["ActiveEnterTimestampMonotonic"])
                  - self.box.started_at)
-        record("container start -> unit READY", ready)
+        if self.volume_id is not None:  # READY with the trainer running, not while waiting
+            record("container start -> unit READY", ready)
         return ready
 
     def volume(self) -> dict[str, Any]:

@@ -41,6 +41,18 @@ def training(m: Machine, min_step: int = 3) -> object:
                       what=f"training at step {min_step}")
 
 
+def wait_status_line(m: Machine, pred, what: str, timeout: float = 60) -> tuple[str, str]:
+    end = time.monotonic() + timeout
+    text, line = "", None
+    while time.monotonic() < end:
+        text = m.box.status(m.UNIT)
+        line = status_line(text)
+        if line is not None and pred(line):
+            return text, line
+        time.sleep(0.2)
+    raise AssertionError(f"no status line {what}:\n{text}")
+
+
 def test_unit_is_active_running_and_its_status_line_shows_the_step(boot_instance) -> None:
     m = boot_instance()
     ready = m.wait_ready()
@@ -52,16 +64,8 @@ def test_unit_is_active_running_and_its_status_line_shows_the_step(boot_instance
           f"container; system {booted})")
     training(m)
     # STATUS= is sent when the one-line summary changes; wait for one that carries a step.
-    end = time.monotonic() + 30
-    text, line = "", None
-    while time.monotonic() < end:
-        text = m.box.status(m.UNIT)
-        line = status_line(text)
-        if line and " step " in line:
-            break
-        time.sleep(0.2)
+    text, line = wait_status_line(m, lambda ln: " step " in ln, "with a step")
     assert re.search(r"Active: active \(running\)", text), text
-    assert line is not None, text
     assert re.fullmatch(rf"training, volume {m.volume_id}, step \d+.*", line), line
     assert "Loaded: loaded (/etc/systemd/system/spotagent.service; enabled" in text, text
     vol = m.volume()
@@ -75,6 +79,23 @@ def test_unit_is_active_running_and_its_status_line_shows_the_step(boot_instance
     assert "step " in m.box.run("cat", f"{MOUNT_POINT}/var/log/spotagent/trainer.log").stdout
     out = m.box.run("/opt/spotagent/venv/bin/spotagent", "status").stdout
     assert out.startswith(f"training, volume {m.volume_id}"), out
+
+
+def test_with_an_empty_pool_the_unit_is_ready_and_waits_then_claims_a_new_volume(
+        boot_instance, tmp_path) -> None:
+    from agent_world import busybox_image
+
+    m = boot_instance(with_volume=False, config_text=lambda t: t.replace(
+        "[pool]\n", "[pool]\nwait_max_backoff = 2\n", 1))
+    m.wait_ready()  # READY=1 while waiting: boot is not held up by an empty pool
+    text, _ = wait_status_line(m, lambda ln: ln.startswith("waiting"), "waiting")
+    assert "Active: active (running)" in text, text
+    snap = m.world.make_snapshot(busybox_image(tmp_path / "late"))
+    m.volume_id = m.world.make_pool_volumes("dl", 1, snapshot_id=snap)[0]
+    training(m)
+    wait_status_line(m, lambda ln: ln.startswith(f"training, volume {m.volume_id}, step "),
+                     "training on the new volume")
+    assert m.volume()["TagMap"]["spotagent:owner"] == m.inst.instance_id
 
 
 def test_a_spot_notice_drains_and_the_volume_becomes_available(boot_instance) -> None:
