@@ -26,7 +26,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,6 +46,8 @@ from spotagent.log import get_logger
 
 log = get_logger("supervisor")
 
+JOURNAL_LINES_PER_S = 50.0      # trainer lines forwarded to the journal per second (sustained)
+JOURNAL_LINES_BURST = 500.0     # ... and in a burst (a traceback, start-up banners)
 MAX_LINE = 64 * 1024            # longer lines are split (a progress bar without newlines)
 CHROOT_SEARCH = "/usr/sbin:/usr/bin:/sbin:/bin"
 RESERVED_PREFIX = "SPOTAGENT_"
@@ -168,6 +170,45 @@ def describe_exit(code: int) -> str:
 # --- output pump --------------------------------------------------------------------------------
 
 
+class LineBudget:
+    """Token bucket for trainer lines forwarded to the journal (thread-safe).
+
+    journald rate-limits a unit as a whole: a trainer printing thousands of lines a second
+    would push the agent's own events (the drain, the release) out of the journal. The log file
+    on the volume keeps every line; the journal gets at most `rate` lines a second (bursts of
+    `burst`) and one `trainer_output_suppressed` event with the count for what was held back.
+    """
+
+    def __init__(self, rate: float = JOURNAL_LINES_PER_S, burst: float = JOURNAL_LINES_BURST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        self._tokens = burst
+        self._last = clock()
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[bool, int]:
+        """(forward this line?, lines suppressed since the last forwarded one)."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                held, self._suppressed = self._suppressed, 0
+                return True, held
+            self._suppressed += 1
+            return False, 0
+
+    def drain(self) -> int:
+        """Lines held back and not yet reported (the output ended during a flood)."""
+        with self._lock:
+            held, self._suppressed = self._suppressed, 0
+            return held
+
+
 class _Pump:
     """Reads the trainer's stdout and stderr line by line into the log and the log file.
 
@@ -176,13 +217,14 @@ class _Pump:
     """
 
     def __init__(self, proc: subprocess.Popen[bytes], log_file: IO[bytes] | None,
-                 restart_count: int) -> None:
+                 restart_count: int, budget: LineBudget | None = None) -> None:
         self._file = log_file
         self._lock = threading.Lock()
         self._open = 2
         self.last_stderr = ""
         self._pid = proc.pid
         self._restart_count = restart_count
+        self._budget = budget if budget is not None else LineBudget()
         assert proc.stdout is not None and proc.stderr is not None
         self._threads = [
             threading.Thread(target=self._run, args=("stdout", proc.stdout), daemon=True,
@@ -201,10 +243,19 @@ class _Pump:
                     self.last_stderr = line
                 with self._lock:
                     self._write(raw if raw.endswith(b"\n") else raw + b"\n")
-                log.info("trainer_output", stream=stream, line=line, pid=self._pid,
-                         restart_count=self._restart_count)
+                forward, held = self._budget.take()
+                if held:
+                    log.warning("trainer_output_suppressed", lines=held, pid=self._pid,
+                                detail="journal rate limit; every line is in the log file")
+                if forward:
+                    log.info("trainer_output", stream=stream, line=line, pid=self._pid,
+                             restart_count=self._restart_count)
         finally:
             pipe.close()
+            held = self._budget.drain()
+            if held:
+                log.warning("trainer_output_suppressed", lines=held, pid=self._pid,
+                            detail="journal rate limit; every line is in the log file")
             with self._lock:
                 self._open -= 1
                 if self._open == 0 and self._file is not None:

@@ -430,3 +430,39 @@ def test_command_missing_in_the_chroot_cannot_start(rootfs: Path, trainer: Train
     assert "command not found inside the chroot" in str(err.value)
     assert str(tmp_path / "host-train") in str(err.value)
     assert sup.status().state is TrainerState.BACKOFF
+
+
+def test_line_budget_forwards_a_burst_then_the_rate_and_counts_what_it_held_back() -> None:
+    from spotagent.supervisor import LineBudget
+
+    now = [0.0]
+    budget = LineBudget(rate=10, burst=5, clock=lambda: now[0])
+    assert [budget.take()[0] for _ in range(5)] == [True] * 5
+    assert budget.take() == (False, 0)
+    assert budget.take() == (False, 0)
+    now[0] += 0.1                      # one token back
+    assert budget.take() == (True, 2)  # forwarded, and 2 lines were held back before it
+    assert budget.take() == (False, 0)
+    now[0] += 100                      # tokens refill only up to the burst
+    assert sum(budget.take()[0] for _ in range(20)) == 5
+
+
+def test_a_chatty_trainer_keeps_every_line_in_the_log_file_but_not_in_the_journal(
+        tmp_path: Path) -> None:
+    from spotagent.supervisor import JOURNAL_LINES_BURST
+
+    sup = host_supervisor("i=0; while [ $i -lt 3000 ]; do echo line $i; i=$((i+1)); done",
+                          tmp_path)
+    with capture_logs() as events:
+        sup.start()
+        status = poll_until_not(sup, ALIVE)
+    assert status.state is TrainerState.EXITED_OK
+    lines = (tmp_path / "trainer.log").read_text().splitlines()[1:]
+    assert len(lines) == 3000
+    forwarded = [e for e in events if e["event"] == "trainer_output"]
+    # A burst and the sustained rate for however long the loop ran — far fewer than 3000.
+    assert JOURNAL_LINES_BURST <= len(forwarded) < 3000
+    # What was held back is counted and said, never silently lost.
+    suppressed = [e for e in events if e["event"] == "trainer_output_suppressed"]
+    assert suppressed
+    assert sum(e["lines"] for e in suppressed) + len(forwarded) == 3000
