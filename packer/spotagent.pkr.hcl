@@ -3,8 +3,12 @@
 #
 # Build on AWS (modern Packer, see plugins.pkr.hcl):
 #   make wheelhouse && packer build -only=amazon-ebs.spotagent -var region=us-east-1 packer/
-# Build locally without AWS (the same provisioning over SSH into a booted container; CI does
-# this): see tests/slow/ and `make test-slow`.
+# Build on Debian's Packer 1.6.6 (Amazon builder built in; name this file, not the directory):
+#   make wheelhouse && packer build -only=amazon-ebs.spotagent -var region=us-east-1 packer/spotagent.pkr.hcl
+# Build without AWS: the same provisioning over SSH into any machine (CI: a booted
+# systemd-nspawn container, `make test-slow`; see docs/systemd-tier.md):
+#   packer build -only=null.local -var local_host=HOST -var local_port=22 \
+#     -var local_key_file=KEY packer/spotagent.pkr.hcl
 # Validate with Debian's Packer 1.6.6:
 #   packer validate -syntax-only packer/spotagent.pkr.hcl
 
