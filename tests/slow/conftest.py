@@ -184,14 +184,17 @@ def boot_instance(spotagent_image: imagemod.Image, tmp_path: Path
     stack = contextlib.ExitStack()
     counter = iter(range(100))
 
-    def start(*, config_text: Callable[[str], str] | None = None,
-              with_volume: bool = True) -> Machine:
+    def start(*, config_text: Callable[[str], str] | None = None, with_volume: bool = True,
+              volume_extra: Callable[[Path], None] | None = None,
+              unit_override: str | None = None) -> Machine:
+        """Boot one instance. `config_text` edits its config; `volume_extra` adds files to the
+        volume's root; `unit_override` is a [Service] drop-in of the test (never shipped)."""
         n = next(counter)
         work = tmp_path / f"m{n}"
         world = stack.enter_context(World(work / "world"))
         volume_id = None
         if with_volume:
-            snap = world.make_snapshot(busybox_image(work / "volume"))
+            snap = world.make_snapshot(busybox_image(work / "volume", extra=volume_extra))
             volume_id = world.make_pool_volumes("dl", 1, snapshot_id=snap)[0]
         inst = world.launch(pool="dl", settings={
             "trainer": TRAINER_SETTINGS,
@@ -205,6 +208,9 @@ def boot_instance(spotagent_image: imagemod.Image, tmp_path: Path
         root = stack.enter_context(nspawn.overlay(spotagent_image.lowers, work / "overlay"))
         (root / "etc/spotagent/config.toml").write_text(text)
         write_dropin(root)
+        if unit_override is not None:
+            override = root / "etc/systemd/system/spotagent.service.d/test-override.conf"
+            override.write_text(f"[Service]\n{unit_override}\n")
         mask(root, "ssh.service", "ssh.socket")  # would listen on the host's port 22
         box = stack.enter_context(nspawn.boot(
             root, machine=f"spotagent-{os.getpid()}-{n}", log_path=work / "console.log",

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import MOUNT_POINT_IN_IMAGE as MOUNT_POINT
@@ -133,6 +134,57 @@ def test_systemctl_stop_drains_and_releases(boot_instance) -> None:
     assert unit == {"ActiveState": "inactive", "Result": "success", "NRestarts": "0"}, unit
     assert "drain_started" in m.box.journal(m.UNIT)
     assert m.world.plane.violations == []
+
+
+# A trainer whose checkpoint on SIGTERM takes 8 s (a big model's save): one step per 0.1 s,
+# progress in the control directory, the committed step written last.
+SLOW_CHECKPOINT_TRAINER = r"""#!/bin/sh
+ck="$SPOTAGENT_CHECKPOINT_DIR"; ctl="$SPOTAGENT_CONTROL_DIR"
+step=0; committed=0; term=0
+trap 'term=1' TERM
+progress() {
+  printf '{"step": %d, "last_committed_step": %d, "last_commit_time": %s}' \
+    "$step" "$committed" "$(date +%s)" > "$ctl/.p.tmp" && mv "$ctl/.p.tmp" "$ctl/progress.json"
+}
+while :; do
+  step=$((step + 1)); progress; sleep 0.1
+  if [ "$term" = 1 ]; then
+    echo "saving step $step"; sleep 8
+    echo "$step" > "$ck/step"; committed=$step; progress; echo "committed $step"; exit 0
+  fi
+done
+"""
+
+
+def slow_checkpoint_trainer(root: Path) -> None:
+    script = root / "opt/slow-checkpoint.sh"
+    script.write_text(SLOW_CHECKPOINT_TRAINER)
+    script.chmod(0o755)
+
+
+def test_a_drain_longer_than_the_stop_timeout_is_granted_by_extend_timeout_usec(
+        boot_instance) -> None:
+    """STOPPING=1 + EXTEND_TIMEOUT_USEC under a real systemd: with TimeoutStopSec=3 (a test
+    drop-in) an 8 s checkpoint still completes, nothing is SIGKILLed, the volume is released."""
+    m = boot_instance(
+        volume_extra=slow_checkpoint_trainer, unit_override="TimeoutStopSec=3",
+        config_text=lambda t: t.replace('["/bin/sh", "/opt/trainer.sh"]',
+                                        '["/bin/sh", "/opt/slow-checkpoint.sh"]'))
+    m.wait_ready()
+    st = training(m)
+    assert m.unit("TimeoutStopUSec")["TimeoutStopUSec"] == "3s"
+    start = time.monotonic()
+    m.box.systemctl("stop", m.UNIT, check=True, timeout=240)
+    took = time.monotonic() - start
+    record("systemctl stop with an 8 s checkpoint (TimeoutStopSec=3)", took)
+    assert took >= 8, f"stop returned after {took:.1f} s: the checkpoint cannot have finished"
+    unit = m.unit("ActiveState", "Result")
+    assert unit == {"ActiveState": "inactive", "Result": "success"}, m.diagnostics()
+    journal = m.box.journal(m.UNIT)
+    assert "timed out" not in journal and "SIGKILL" not in journal, journal[-3000:]
+    vol = m.volume()
+    assert vol["State"] == "available"
+    assert int(vol["TagMap"]["spotagent:checkpoint-step"]) >= st.step
 
 
 def test_a_broken_config_fails_the_unit_with_its_one_line_error(boot_instance) -> None:
