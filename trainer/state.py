@@ -27,6 +27,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any, /) -> Any: ...
 
 
+def _own_tensors(tree: Any) -> Any:
+    """`tree` with every tensor copied into its own memory.
+
+    Loaded tensors are views of the checkpoint file mapped copy-on-write; objects that keep the
+    tensors they are given (optimizer state, user objects) would otherwise pin the mapping, and
+    with it the file's disk blocks after retention deletes that checkpoint.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _own_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_own_tensors(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_own_tensors(v) for v in tree)
+    return tree
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DistributedDataParallel / DataParallel wrappers (plain keys on disk)."""
     inner = getattr(model, "module", None)
@@ -89,12 +107,12 @@ class TrainState:
             if obj is not None:
                 if name not in tree:
                     raise CheckpointError(f"checkpoint has no {name} state")
-                obj.load_state_dict(tree[name])
+                obj.load_state_dict(_own_tensors(tree[name]))
         saved_extra = tree.get("extra", {})
         for name, obj in self.extra.items():
             if name not in saved_extra:
                 raise CheckpointError(f"checkpoint has no state for registered object {name!r}")
-            obj.load_state_dict(saved_extra[name])
+            obj.load_state_dict(_own_tensors(saved_extra[name]))
         ranks = tree.get("ranks") or [{}]
         if rank >= len(ranks):
             event(logging.WARNING, "world_size_changed", saved_ranks=len(ranks), rank=rank,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -92,3 +94,27 @@ def test_iterate_resumes_data_order_exactly_across_epochs() -> None:
     rest = [next(it3).tolist() for _ in range(11)]
     assert first + rest == straight
     assert torch.equal(torch.get_rng_state(), before), "iterate() drew from the global RNG"
+
+
+def test_restored_optimizer_does_not_pin_the_checkpoint_file(tmp_path: Path) -> None:
+    """Loaded tensors (>= 1 MiB) map tensors.bin; after restore nothing may keep that mapping (it
+    would hold the disk blocks of a checkpoint that retention deletes)."""
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    session = Session(TrainState(model=model, optimizer=opt), tmp_path,
+                      install_signal_handlers=False, dist=Dist())
+    session.restore()
+    session.step_done()
+    assert session.finish() == 0
+
+    model2 = torch.nn.Linear(1024, 1024)
+    opt2 = torch.optim.Adam(model2.parameters())
+    assert Session(TrainState(model=model2, optimizer=opt2), tmp_path,
+                   install_signal_handlers=False, dist=Dist()).restore() == 1
+    gc.collect()
+    maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+    assert str(tmp_path) not in maps
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
