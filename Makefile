@@ -46,7 +46,7 @@ test: lint typecheck unit
 test-slow: setup
 	@command -v qemu-system-x86_64 >/dev/null || { echo "test-slow: apt-get install qemu-system-x86"; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-system-x86; }
-	$(PY) -m pytest -q -m slow tests/slow
+	$(PY) -m pytest -q -m slow tests/slow tests/test_demo.py
 
 # spotagent and its agent dependencies as wheels, for packer/scripts/install.sh (--no-index).
 wheelhouse: setup

@@ -21,6 +21,9 @@ log "virtualenv in $PREFIX/venv"
 python3 -m venv "$PREFIX/venv"
 "$PREFIX/venv/bin/pip" install --no-index --find-links "$SRC/wheelhouse" --quiet "spotagent[agent]"
 "$PREFIX/venv/bin/spotagent" --help >/dev/null
+# The agent's EC2 model trimmed to the calls it makes (8 MB instead of 24 MB of RSS), built now
+# so the first boot does not spend its time on it.
+"$PREFIX/venv/bin/python" -m spotagent.ec2model build
 
 log "unit, config, IAM policy"
 install -D -m 0644 "$SRC/spotagent.service" /etc/systemd/system/spotagent.service
