@@ -206,3 +206,18 @@ def test_broken_config_exits_2_with_one_line_and_claims_nothing(
                      '"sometimes": must be one of wait, create, fail'], proc.stderr
     assert attachments(world, volume) == []
     assert "spotagent:owner" not in world.volume(volume)["TagMap"]
+
+
+def test_a_device_that_never_appears_times_out_clearly_and_the_volume_is_released(
+        world: World, image: Path, tmp_path: Path) -> None:
+    # The attach succeeds but no by-id link ever shows up where the agent looks (a missing
+    # udev rule, say): a clear timeout naming the volume and the directory, then the release.
+    volume, = pool_volumes(world, image)
+    nowhere = tmp_path / "empty-by-id"
+    nowhere.mkdir()
+    inst = world.launch(pool="dl", settings=settings(
+        devices={"by_id_dir": str(nowhere), "timeout": 2}))
+    with running(inst) as agent:
+        error = fails_cleanly(world, inst, volume, agent, volume)
+        assert str(nowhere) in error
+    assert precious(world, volume) == PRECIOUS_TEXT
