@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from agent_world import (
     attachments,
     busybox_image,
     empty_fs_image,
-    emulated_world,
     pool_volumes,
     run_cli,
     running,
@@ -39,17 +37,6 @@ pytestmark = pytest.mark.root
 
 if os.geteuid() != 0:
     pytest.skip("needs root (loop devices, mounts, chroot)", allow_module_level=True)
-
-
-@pytest.fixture(scope="session")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_image(tmp_path_factory, "busybox", busybox_image)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    with emulated_world(tmp_path) as w:
-        yield w
 
 
 def fails_cleanly(world: World, inst: Instance, volume_id: str, agent: Agent,

@@ -10,8 +10,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -20,13 +18,9 @@ from agent_world import (
     Agent,
     assert_released,
     attachments,
-    busybox_image,
-    emulated_world,
     mounts_under,
-    pool_volumes,
     run_cli,
     settings,
-    shared_image,
     volume_files,
 )
 
@@ -39,22 +33,6 @@ if os.geteuid() != 0:
     pytest.skip("needs root (loop devices, mounts, chroot)", allow_module_level=True)
 
 CKPT = "home/trainer/ckpt/step"
-
-
-@pytest.fixture(scope="session")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_image(tmp_path_factory, "busybox", busybox_image)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    with emulated_world(tmp_path) as w:
-        yield w
-
-
-@pytest.fixture
-def volume(world: World, image: Path) -> str:
-    return pool_volumes(world, image)[0]
 
 
 def owner(world: World, volume_id: str) -> str | None:

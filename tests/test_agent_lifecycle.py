@@ -8,18 +8,12 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from agent_world import (
     TRAINER_SETTINGS,
-    busybox_image,
-    emulated_world,
     mounts_under,
-    pool_volumes,
     running,
-    shared_image,
     trainer_log,
 )
 
@@ -32,14 +26,8 @@ if os.geteuid() != 0:
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    with emulated_world(tmp_path) as w:
-        yield w
-
-
-@pytest.fixture
-def pool_volume(world: World, tmp_path_factory: pytest.TempPathFactory) -> str:
-    return pool_volumes(world, shared_image(tmp_path_factory, "busybox", busybox_image))[0]
+def pool_volume(volume: str) -> str:
+    return volume
 
 
 def test_notice_releases_and_the_next_instance_resumes_at_the_next_step(

@@ -16,7 +16,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -26,13 +25,11 @@ from agent_world import (
     Agent,
     assert_released,
     attachments,
-    busybox_image,
     emulated_world,
     pool_volumes,
     run_cli,
     running,
     settings,
-    shared_image,
     volume_files,
 )
 
@@ -45,22 +42,6 @@ if os.geteuid() != 0:
     pytest.skip("needs root (loop devices, mounts, chroot)", allow_module_level=True)
 
 CKPT = "home/trainer/ckpt/step"
-
-
-@pytest.fixture(scope="session")
-def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return shared_image(tmp_path_factory, "busybox", busybox_image)
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    with emulated_world(tmp_path) as w:
-        yield w
-
-
-@pytest.fixture
-def volume(world: World, image: Path) -> str:
-    return pool_volumes(world, image)[0]
 
 
 def on_volume(world: World, volume_id: str) -> tuple[str, int | None]:

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from agent_world import TRAINER_SETTINGS, busybox_image, cleanup_instance, running
+from agent_world import TRAINER_SETTINGS, running
 
 from spotagent.testbed.world import World
 
@@ -19,20 +17,8 @@ if os.geteuid() != 0:
     pytest.skip("needs root (loop devices, mounts, chroot)", allow_module_level=True)
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    w = World(tmp_path / "world").start()
-    try:
-        yield w
-    finally:
-        for inst in w.instances.values():
-            cleanup_instance(w, inst)
-        w.close()
-
-
-def test_cold_volume_is_warmed_and_tagged(world: World, tmp_path: Path) -> None:
-    snap = world.make_snapshot(busybox_image(tmp_path))
-    (vol,) = world.make_pool_volumes("dl", 1, snapshot_id=snap)
+def test_cold_volume_is_warmed_and_tagged(world: World, volume: str) -> None:
+    vol = volume
     inst = world.launch(pool="dl", settings={
         "trainer": TRAINER_SETTINGS,
         "volume": {"warmup": True, "warmup_rate_mib": 256},  # 1 GiB volume: ~4 s
