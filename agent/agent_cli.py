@@ -41,7 +41,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # retry, and a hung IMDS must not stall the loop for several seconds.
     monitor_imds = ImdsClient(cfg.imds.url, timeout=min(float(cfg.imds.timeout), 1.0),
                               retries=1)
-    runner = Runner(cfg, imds=imds, pool=pool, monitors=default_monitors(monitor_imds))
+    runner = Runner(cfg, imds=imds, pool=pool, monitors=default_monitors(monitor_imds),
+                    identity=identity)
     return runner.run()
 
 

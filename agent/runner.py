@@ -53,6 +53,7 @@ from spotagent.log import get_logger
 from spotagent.monitors import Monitor, default_monitors
 from spotagent.supervisor import ALIVE, RestartPolicy, Supervisor, TrainerState, trainer_env
 from spotagent.volumes import Pool, PoolEmptyError, next_backoff
+from spotagent.warmup import Warmup
 
 log = get_logger("runner")
 
@@ -85,7 +86,8 @@ class _Flags:
 class Runner:
     def __init__(self, cfg: Config, *, imds: ImdsClient, pool: Pool,
                  monitors: list[Monitor] | None = None, boot_time: datetime | None = None,
-                 rng: random.Random | None = None, install_signals: bool = True) -> None:
+                 rng: random.Random | None = None, install_signals: bool = True,
+                 identity: Identity | None = None) -> None:
         self.cfg = cfg
         self.imds = imds
         self.pool = pool
@@ -103,7 +105,8 @@ class Runner:
         self.control_dir = self.state_dir / "control"
         self.status = status.AgentStatus(pool=cfg.pool.name,
                                          mount_point=str(cfg.volume.mount_point))
-        self.identity: Identity | None = None
+        self.identity: Identity | None = identity   # None: read from IMDS at run()
+        self._warmup: Warmup | None = None
         self.volume_id: str | None = None
         self.created_empty = False
         self.env: chrootmod.Environment | None = None
@@ -149,7 +152,8 @@ class Runner:
         return 1 if self.state is lc.State.FAILED else 0
 
     def _boot(self) -> None:
-        self.identity = self.imds.identity()
+        if self.identity is None:
+            self.identity = self.imds.identity()
         self.status.instance_id = self.identity.instance_id
         self.status.availability_zone = self.identity.availability_zone
         log.info("agent_started", instance_id=self.identity.instance_id,
@@ -528,8 +532,6 @@ class Runner:
         assert self.volume_id is not None
         if self.pool.is_warm(self.volume_id):
             return
-        from spotagent.warmup import Warmup
-
         vid = self.volume_id
         rate = float(self.cfg.volume.warmup_rate_mib) * 1024 * 1024
 
@@ -561,9 +563,8 @@ class Runner:
     def _release(self, *, done: bool, deadline: datetime | None = None) -> lc.Event:
         """Stop whatever runs in the chroot, tear it down, sync and unmount, detach, untag.
         Idempotent: after a crash half-way, running it again finishes the job."""
-        warm = getattr(self, "_warmup", None)
-        if warm is not None:
-            warm.stop()
+        if self._warmup is not None:
+            self._warmup.stop()
         if self.sup is not None:
             self.sup.kill_tree()
         self.sup = None
@@ -593,7 +594,7 @@ class Runner:
                           done=done if done else None,
                           still_mounted=lambda: _still_in_use(dev))
         self.status.mark("volume_available")
-        log.info("volume_released", volume_id=self.volume_id, checkpoint_step=step, done=done)
+        log.info("release_completed", volume_id=self.volume_id, checkpoint_step=step, done=done)
         return lc.Released()
 
     def _wait_detachable(self, dev: str | None, deadline: datetime | None) -> None:
@@ -640,9 +641,8 @@ class Runner:
         now = time.monotonic()
         if not force and now - self._last_status_write < STATUS_EVERY:
             return
-        warm = getattr(self, "_warmup", None)
-        if warm is not None:
-            p = warm.progress
+        if self._warmup is not None:
+            p = self._warmup.progress
             self.status.warmup = ("done" if p.done else
                                   f"{100.0 * p.bytes_read / max(1, p.total_bytes):.0f}%")
         snapshot = repr(self.status.to_json() | {"updated": None})
